@@ -1,0 +1,136 @@
+"""What a plugin declares about a feature, and the states a feature goes through at run time.
+
+A :class:`Feature` is pure data: importing this module imports nothing heavy, so plugins can
+declare features without touching torch or any other target library.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Category(str, enum.Enum):
+    """The groups of the product documentation's feature table."""
+
+    DATA = "Data preprocessing"
+    RESOURCE = "Resource control"
+    OPS = "Operator optimization and model compilation"
+    PRECISION = "Precision control"
+    OTHER = "Other"
+
+
+class State(str, enum.Enum):
+    """A feature's life: declared -> enabled -> applicable -> armed -> applied -> active.
+
+    Every state but ACTIVE carries a reason in its :class:`FeatureRecord`.
+    """
+
+    DISABLED = "disabled"  # not requested by LOONGKIT_X nor LOONGKIT_ALL
+    NOT_IMPLEMENTED = "not implemented"  # declared by its plugin, not built yet
+    NOT_APPLICABLE = "not applicable"  # versions, hardware or platform rule it out
+    ARMED = "armed"  # waiting for its target module to be imported
+    APPLIED = "applied"  # patch installed, its code has not run yet
+    ACTIVE = "active"  # its code ran at least once in this process
+    FAILED = "failed"  # raised while detecting, validating or activating
+
+
+@dataclass(frozen=True)
+class Feature:
+    """A feature declared by a plugin.
+
+    ``name`` is the lower-case key used in the Summary (``allow_tf32``); ``env`` the variable
+    that switches it (``LOONGKIT_ALLOW_TF32``). ``requires`` lists version requirements of
+    installed distributions, written like PEP 440 requirements with module-style names
+    (``"torch>=2.6"``, ``"mmcv>=1.7.0,<=1.8.0"``, ``"mmseg>=0.12,<=1.0"``); they are checked
+    from distribution metadata, never by importing the library. ``targets`` are the modules
+    whose import triggers activation (any of them; activation runs once per target imported);
+    empty means "activate at boot". ``options`` names the extra environment variables the
+    feature reads (for the did-you-mean check and the docs); their parsing belongs to the
+    plugin's configuration hook.
+    """
+
+    name: str
+    env: str
+    level: int
+    category: Category
+    description: str
+    requires: tuple[str, ...] = ()
+    targets: tuple[str, ...] = ()
+    options: tuple[str, ...] = ()
+    depends_on: tuple[str, ...] = ()  # features that must be applicable and enabled too
+    disables: tuple[str, ...] = ()  # features this one switches off when enabled (seed: SUBCGROUPS)
+    implemented: bool = True
+    # Filled in by the core from the entry point: which plugin declared it.
+    plugin: str = ""
+    plugin_version: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.env.startswith("LOONGKIT_"):
+            raise ValueError(f"feature {self.name!r}: env {self.env!r} must start with LOONGKIT_")
+        if self.level not in (1, 2, 3):
+            raise ValueError(f"feature {self.name!r}: level must be 1, 2 or 3, not {self.level!r}")
+        if self.name != self.name.lower() or not self.name.replace("_", "").isalnum():
+            raise ValueError(f"feature name {self.name!r} must be lower_snake_case")
+
+
+@dataclass
+class PolicyDecision:
+    """A hardware policy's say on one feature (seed: 'Hardware-aware default optimization policies').
+
+    ``enabled_by_default`` replaces "on under LOONGKIT_ALL" (an explicit LOONGKIT_X still wins);
+    ``option_defaults`` replaces defaults of the feature's options (explicit variables still win).
+    """
+
+    reason: str
+    enabled_by_default: bool | None = None
+    option_defaults: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass
+class FeatureRecord:
+    """The run-time record of one declared feature; what the Summary prints."""
+
+    feature: Feature
+    state: State = State.DISABLED
+    reason: str = ""
+    explicit: bool = False  # enabled by its own variable rather than LOONGKIT_ALL
+    enabled: bool = False
+    config: object = None  # what the Summary shows in its "Configurations" column
+    calls: int = 0  # times its code ran (the Summary's '*')
+    applied_targets: list[str] = field(default_factory=list)
+    policy: str = ""  # the hardware policy that changed its defaults, if any
+    details: dict[str, object] = field(default_factory=dict)  # free-form facts for the JSON summary
+
+    @property
+    def active(self) -> bool:
+        return self.calls > 0
+
+    def to_json(self) -> dict[str, object]:
+        f = self.feature
+        return {
+            "name": f.name,
+            "env": f.env,
+            "plugin": f.plugin,
+            "level": f.level,
+            "enabled": self.enabled,
+            "explicit": self.explicit,
+            "state": (State.ACTIVE if self.active and self.state == State.APPLIED else self.state).value,
+            "active": self.active,
+            "calls": self.calls,
+            "reason": self.reason,
+            "config": _jsonable(self.config),
+            "targets": list(self.applied_targets),
+            "policy": self.policy,
+            "details": {k: _jsonable(v) for k, v in self.details.items()},
+        }
+
+
+def _jsonable(value: object) -> object:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_jsonable(v) for v in value]
+    return repr(value)

@@ -1,0 +1,167 @@
+"""The plugin authoring kit: declare features and implement them one class each.
+
+A plugin module needs three things::
+
+    from loongkit_core.feature import Category, Feature
+    from loongkit_core.kit import PluginSpec
+
+    plugin = PluginSpec("precision", distribution="loongkit-precision")
+    plugin.add(
+        Feature(name="allow_tf32", env="LOONGKIT_ALLOW_TF32", level=1, category=Category.PRECISION,
+                description="TF32 for FP32 matmul and convolution on CUDA", requires=("torch>=2.0",),
+                targets=("torch",)),
+        impl="loongkit_precision.tf32:AllowTF32",
+    )
+
+and an entry point ``precision = "loongkit_precision.plugin:plugin"`` in the group ``loongkit``.
+``impl`` is imported only when the feature is enabled, so declaring stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from loongkit_core.hookspecs import CORE_API_VERSION, hookimpl
+
+if TYPE_CHECKING:
+    from loongkit_core.context import ActivationContext, Environment
+    from loongkit_core.feature import Feature, FeatureRecord, PolicyDecision
+    from loongkit_core.hardware import Hardware
+    from loongkit_core.settings import LoongkitSettings
+
+
+class FeatureImpl:
+    """One feature's behaviour. Subclass it and override what the feature needs.
+
+    ``options`` is a :class:`loongkit_core.settings.LoongkitSettings` subclass for the feature's
+    extra variables; its validated instance becomes ``ctx.config`` and is shown in the Summary as a
+    dict (``ctx.set_config`` replaces what is shown).
+    """
+
+    options: ClassVar[type[LoongkitSettings] | None] = None
+
+    def __init__(self, feature: Feature) -> None:
+        self.feature = feature
+
+    def detect(self, env: Environment) -> str | None:
+        """None when applicable here; else the reason it is not."""
+        return None
+
+    def configure(self, env: Environment, policy: PolicyDecision | None) -> tuple[object, list[str]]:
+        if self.options is None:
+            return None, []
+        from loongkit_core.settings import load_settings
+
+        defaults = policy.option_defaults if policy is not None else None
+        return load_settings(self.options, defaults=defaults, environ=env.environ)
+
+    def activate(self, ctx: ActivationContext, target: str | None) -> None:
+        raise NotImplementedError(f"{type(self).__name__}.activate")
+
+    def deactivate(self, ctx: ActivationContext) -> None:
+        ctx.patcher.undo()
+
+
+class PluginSpec:
+    """A pluggy plugin object that serves a set of features, each backed by a FeatureImpl."""
+
+    LOONGKIT_CORE_API = (1, 1)  # the hookspec versions this kit implements (min, max)
+
+    def __init__(self, name: str, distribution: str = "") -> None:
+        self.name = name
+        self.distribution = distribution
+        self._features: dict[str, Feature] = {}
+        self._impl_paths: dict[str, str] = {}
+        self._impls: dict[str, FeatureImpl] = {}
+        self._policies: list[Callable[[Hardware, Sequence[Feature]], Mapping[str, PolicyDecision]]] = []
+        self._cli: list[Callable[[Any], None]] = []
+        self._summary: list[Callable[[Sequence[FeatureRecord]], Sequence[str]]] = []
+        assert self.LOONGKIT_CORE_API[0] <= CORE_API_VERSION <= self.LOONGKIT_CORE_API[1]
+
+    # -- declaring ---------------------------------------------------------------------------
+    def add(self, feature: Feature, impl: str | None = None) -> None:
+        """Declare ``feature``; ``impl`` is "module:Class" of its FeatureImpl (None: not implemented)."""
+        if feature.name in self._features:
+            raise ValueError(f"feature {feature.name!r} declared twice by plugin {self.name!r}")
+        if impl is None and feature.implemented:
+            raise ValueError(f"feature {feature.name!r} has no implementation; declare implemented=False")
+        self._features[feature.name] = feature
+        if impl is not None:
+            self._impl_paths[feature.name] = impl
+
+    def policy(self, fn: Callable[[Hardware, Sequence[Feature]], Mapping[str, PolicyDecision]]) -> Callable:
+        """Decorator: register a hardware policy function."""
+        self._policies.append(fn)
+        return fn
+
+    def cli(self, fn: Callable[[Any], None]) -> Callable[[Any], None]:
+        """Decorator: register a function that adds subcommands to ``loongkit``."""
+        self._cli.append(fn)
+        return fn
+
+    def summary(self, fn: Callable[[Sequence[FeatureRecord]], Sequence[str]]) -> Callable:
+        """Decorator: register a function returning extra Summary lines."""
+        self._summary.append(fn)
+        return fn
+
+    def impl(self, feature: Feature) -> FeatureImpl:
+        """The feature's implementation object (imported on first use)."""
+        found = self._impls.get(feature.name)
+        if found is None:
+            path = self._impl_paths[feature.name]
+            module_name, _, attr = path.partition(":")
+            cls = getattr(importlib.import_module(module_name), attr)
+            found = self._impls[feature.name] = cls(feature)
+        return found
+
+    def owns(self, feature: Feature) -> bool:
+        return feature.name in self._impl_paths and self._features.get(feature.name) is not None
+
+    # -- hooks -------------------------------------------------------------------------------
+    @hookimpl
+    def loongkit_declare_features(self) -> list[Feature]:
+        return list(self._features.values())
+
+    @hookimpl
+    def loongkit_hardware_policy(self, hardware: Hardware, features: Sequence[Feature]) -> dict:
+        decisions: dict[str, PolicyDecision] = {}
+        for fn in self._policies:
+            decisions.update(fn(hardware, features) or {})
+        return decisions
+
+    @hookimpl
+    def loongkit_detect(self, feature: Feature, env: Environment) -> str | None:
+        return self.impl(feature).detect(env) if self.owns(feature) else None
+
+    @hookimpl
+    def loongkit_configure(self, feature: Feature, env: Environment,
+                           policy: PolicyDecision | None) -> tuple[object, list[str]] | None:
+        if not self.owns(feature):
+            return None
+        impl = self.impl(feature)
+        config, warnings = impl.configure(env, policy)
+        return config, warnings
+
+    @hookimpl
+    def loongkit_activate(self, feature: Feature, target: str | None, ctx: ActivationContext) -> None:
+        if self.owns(feature):
+            self.impl(feature).activate(ctx, target)
+
+    @hookimpl
+    def loongkit_deactivate(self, feature: Feature, ctx: ActivationContext) -> None:
+        if self.owns(feature):
+            self.impl(feature).deactivate(ctx)
+
+    @hookimpl
+    def loongkit_summary(self, records: Sequence[FeatureRecord]) -> list[str]:
+        lines: list[str] = []
+        for fn in self._summary:
+            lines.extend(fn(records) or ())
+        return lines
+
+    @hookimpl
+    def loongkit_add_cli(self, subparsers: Any) -> None:
+        for fn in self._cli:
+            fn(subparsers)

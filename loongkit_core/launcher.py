@@ -1,0 +1,72 @@
+"""``loongkit-run <command...>``: run a command with the prelude on PYTHONPATH.
+
+The command is exec'd (same pid), so its exit code and signals are the launcher's own: torchrun,
+``python -m``, scripts and shell entry points behave as if started directly. ``--info`` prints
+the resolved configuration (features, levels, reasons) without running anything.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+from loongkit_core._boot import PRELUDE_DIR, _same_dir
+
+USAGE = """usage: loongkit-run [--info] <command> [args...]
+
+Runs <command> with loongkit loaded in every Python process it starts (PYTHONPATH prelude).
+Features are chosen with LOONGKIT_* variables, e.g. LOONGKIT_ALL=1 loongkit-run torchrun train.py
+  --info    print the resolved configuration for this environment and exit
+"""
+
+
+def child_environ(environ: dict[str, str]) -> dict[str, str]:
+    """The environment for the command: the prelude first on PYTHONPATH, once (nested runs too)."""
+    env = dict(environ)
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    parts = [p for p in parts if not _same_dir(p, PRELUDE_DIR)]
+    env["PYTHONPATH"] = os.pathsep.join([PRELUDE_DIR, *parts])
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    info = False
+    while args and args[0].startswith("-"):
+        flag = args.pop(0)
+        if flag == "--info":
+            info = True
+        elif flag in ("-h", "--help"):
+            sys.stdout.write(USAGE)
+            return 0
+        elif flag == "--":
+            break
+        else:
+            sys.stderr.write(f"loongkit-run: unknown option {flag}\n{USAGE}")
+            return 2
+    if info:
+        from loongkit_core.cli import print_info
+
+        return print_info(args)
+    if not args:
+        sys.stderr.write(USAGE)
+        return 2
+    env = child_environ(dict(os.environ))
+    program = args[0]
+    path = program if os.sep in program else shutil.which(program, path=env.get("PATH"))
+    if path is None:
+        sys.stderr.write(f"loongkit-run: command not found: {program}\n")
+        return 127
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(path, args, env)
+    except OSError as exc:
+        sys.stderr.write(f"loongkit-run: cannot run {program}: {exc}\n")
+        return 126
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

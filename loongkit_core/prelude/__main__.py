@@ -1,0 +1,3 @@
+from loongkit_core.prelude import PATH
+
+print(PATH)

@@ -1,0 +1,56 @@
+"""loongkit's sitecustomize: run the user's own sitecustomize (if any), then boot loongkit.
+
+Python imports exactly one module named ``sitecustomize``: the first on sys.path. When this prelude
+directory is on PYTHONPATH that is this file, so it looks up the next one on sys.path (skipping
+every copy of this directory) and executes it under the name ``sitecustomize``, exactly once.
+Stdlib only until a LOONGKIT_* variable requests a feature.
+"""
+
+
+def _loongkit_prelude() -> None:
+    import os
+    import sys
+
+    if getattr(sys, "_loongkit_prelude_done", False):  # idempotent: twice on PYTHONPATH, nested runs
+        return
+    sys._loongkit_prelude_done = True  # type: ignore[attr-defined]
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def same(entry: str) -> bool:
+        try:
+            return os.path.realpath(entry or os.getcwd()) == os.path.realpath(here)
+        except (OSError, ValueError):
+            return False
+
+    import importlib.machinery
+    import importlib.util
+
+    search = [p for p in sys.path if not same(p)]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", search)
+    if spec is not None and spec.loader is not None and spec.origin != __file__:
+        user = importlib.util.module_from_spec(spec)
+        ours = sys.modules.get("sitecustomize")
+        sys.modules["sitecustomize"] = user
+        try:
+            spec.loader.exec_module(user)
+        except Exception as exc:  # same leniency as Python's own site.py
+            sys.stderr.write(f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(exc).__name__}: {exc}\n")
+        finally:
+            sys.modules["_loongkit_user_sitecustomize"] = user
+            if ours is not None:
+                sys.modules["sitecustomize"] = ours
+
+    for name, value in os.environ.items():
+        if name.startswith("LOONGKIT_"):
+            break
+    else:
+        return  # nothing configured: the common case costs one environ scan
+    try:
+        from loongkit_core import _boot
+    except ImportError:  # the prelude outlived its package (uninstalled, other venv)
+        return
+    _boot.boot("prelude")
+
+
+_loongkit_prelude()
+del _loongkit_prelude

@@ -1,0 +1,89 @@
+"""Which kind of Python process this is, decided once and cheaply from argv and the environment.
+
+Never imports multiprocessing or torch: ``sys.orig_argv`` tells a spawn/forkserver child
+(``--multiprocessing-fork``, ``multiprocessing.forkserver``), a torchrun agent
+(``torch.distributed.run``) or an inductor compile worker apart from a main training process.
+Forked children inherit the parent's state; :func:`mark_forked_child` is called after fork.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass
+
+MAIN = "main"  # a training process (one per rank under torchrun)
+WORKER = "worker"  # a multiprocessing child: DataLoader workers (fork, spawn, forkserver)
+LAUNCHER = "launcher"  # torchrun's elastic agent: starts the ranks, trains nothing
+HELPER = "helper"  # forkserver, resource tracker, compile workers, other tools
+
+
+def _int_env(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return None
+
+
+@dataclass
+class ProcessInfo:
+    role: str
+    pid: int
+    host: str
+    rank: int | None
+    local_rank: int | None
+    world_size: int | None
+    local_world_size: int | None
+
+    @property
+    def prints_summary(self) -> bool:
+        """The Summary goes to stdout from local rank 0 of each node only (every rank logs it)."""
+        return self.role == MAIN and (self.local_rank in (None, 0))
+
+    @property
+    def writes_summary(self) -> bool:
+        return self.role == MAIN
+
+    def to_json(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+
+def classify(argv: list[str]) -> str:
+    """The role of a process started with ``argv`` (``sys.orig_argv``)."""
+    joined = " ".join(argv)
+    if "--multiprocessing-fork" in argv:
+        return WORKER
+    if "multiprocessing.forkserver" in joined or "multiprocessing.resource_tracker" in joined:
+        return HELPER
+    if "torch._inductor.compile_worker" in joined or "compile_worker" in joined.replace("/", "."):
+        return HELPER
+    if "torch.distributed.run" in joined or "torch.distributed.launch" in joined:
+        return LAUNCHER
+    if argv and len(argv) > 1 and os.path.basename(argv[1]) in ("torchrun",):
+        return LAUNCHER
+    if argv and os.path.basename(argv[0]) == "torchrun":
+        return LAUNCHER
+    return MAIN
+
+
+def detect() -> ProcessInfo:
+    argv = list(getattr(sys, "orig_argv", sys.argv))
+    return ProcessInfo(
+        role=classify(argv),
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        rank=_int_env("RANK"),
+        local_rank=_int_env("LOCAL_RANK"),
+        world_size=_int_env("WORLD_SIZE"),
+        local_world_size=_int_env("LOCAL_WORLD_SIZE"),
+    )
+
+
+def mark_forked_child(info: ProcessInfo) -> None:
+    """After ``fork()``: the child is a worker (DataLoader workers fork from the trainer)."""
+    info.role = WORKER
+    info.pid = os.getpid()

@@ -1,0 +1,448 @@
+"""The full boot: settings, logging, plugins, feature resolution, arming, and the Summary at exit.
+
+Only reached when the fast path in :mod:`loongkit_core._boot` found a LOONGKIT_* variable that
+requests something. Every step that runs plugin code is isolated: a fault becomes a log line, a
+Summary row and a Summary "Plugin faults" line, and the user's program goes on (unless
+``LOONGKIT_STRICT=1``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import difflib
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from types import ModuleType
+from typing import Any
+
+from loongkit_core import importhooks, log, requirements
+from loongkit_core import process as process_mod
+from loongkit_core import summary as summary_mod
+from loongkit_core.context import ActivationContext, Environment, NotApplicable
+from loongkit_core.feature import Feature, FeatureRecord, PolicyDecision, State
+from loongkit_core.manager import Fault, PluginManager
+from loongkit_core.settings import CORE_VARIABLES, CoreSettings, bool_or_none, load_settings
+
+
+class LoongkitStrictError(RuntimeError):
+    """A plugin or feature fault under ``LOONGKIT_STRICT=1``."""
+
+
+class ActivationTimeout(Exception):  # noqa: N818
+    pass
+
+
+class Runtime:
+    """One process's loongkit: its settings, plugins and feature records."""
+
+    def __init__(self, environ: Mapping[str, str] | None = None, *, arm: bool = True,
+                 process: process_mod.ProcessInfo | None = None) -> None:
+        self.environ: Mapping[str, str] = os.environ if environ is None else environ
+        self.settings, self.settings_warnings = load_settings(CoreSettings, environ=environ)
+        self.process = process or process_mod.detect()
+        self.manager = PluginManager(on_fault=self._on_fault)
+        self.records: dict[str, FeatureRecord] = {}
+        self.contexts: dict[str, ActivationContext] = {}
+        self.policies: dict[str, PolicyDecision] = {}
+        self.env = Environment(self.settings, self.process, environ)
+        self._arm = arm
+        self._summary_done = False
+        self._booting = True
+        self.log: Any = log.get_logger("loongkit.core")
+
+    # -- faults --------------------------------------------------------------------------------
+    def _on_fault(self, fault: Fault) -> None:
+        self.log.error("plugin fault", plugin=fault.plugin, where=fault.where, feature=fault.feature,
+                       error=fault.error, traceback=fault.traceback)
+        if fault.feature and fault.feature in self.records:
+            record = self.records[fault.feature]
+            record.state = State.FAILED
+            record.reason = f"{fault.where}: {fault.error}"
+        if self.settings.strict:
+            raise LoongkitStrictError(f"loongkit plugin {fault.plugin!r} failed in {fault.where}: {fault.error}")
+
+    # -- boot ----------------------------------------------------------------------------------
+    def boot(self, configure_logging: bool = True) -> Runtime:
+        """Load plugins and resolve every feature; ``configure_logging=False`` (CLI) logs errors to stderr."""
+        start = time.perf_counter()
+        if configure_logging:
+            destination = log.configure(self.settings.loglevel, self.settings.logdir, self.process)
+        else:
+            destination = log.configure("error", "stderr", self.process)
+        self.log = log.get_logger("loongkit.core")
+        self.log.info("loongkit boot", role=self.process.role, argv=list(getattr(sys, "orig_argv", sys.argv)),
+                      log=destination.kind)
+        for warning in self.settings_warnings:
+            self.log.warning(warning)
+        disabled = {p.strip() for p in self.settings.disable_plugins.split(",") if p.strip()}
+        self.manager.load_entry_points(disabled)
+        self.declare()
+        self.check_unknown_variables()
+        self.resolve()
+        if self._arm:
+            importhooks.set_error_handler(self._import_hook_error)
+            for record in self.records.values():
+                if record.state == State.ARMED:
+                    self.arm(record)
+        self._booting = False
+        self.log.info("loongkit ready", seconds=round(time.perf_counter() - start, 4),
+                      enabled=[r.feature.name for r in self.records.values() if r.enabled])
+        return self
+
+    def declare(self) -> None:
+        """Collect every plugin's features; a name declared twice keeps the first plugin's."""
+        for plugin, features in self.manager.call_each("loongkit_declare_features"):
+            loaded = self.manager.plugins.get(plugin)
+            for feature in features:
+                if not isinstance(feature, Feature):
+                    self.manager.fault(plugin, "loongkit_declare_features",
+                                       TypeError(f"declared {feature!r}, not a Feature"))
+                    continue
+                if feature.name in self.records:
+                    other = self.records[feature.name].feature.plugin
+                    self.manager.fault(plugin, "loongkit_declare_features", ValueError(
+                        f"feature {feature.name!r} is already declared by plugin {other!r}; ignored"))
+                    continue
+                feature = _with_plugin(feature, plugin, loaded.version if loaded else "")
+                self.records[feature.name] = FeatureRecord(feature)
+
+    def known_variables(self) -> set[str]:
+        known = set(CORE_VARIABLES)
+        for record in self.records.values():
+            known.add(record.feature.env)
+            known.update(record.feature.options)
+        return known
+
+    def check_unknown_variables(self) -> list[str]:
+        """A LOONGKIT_* variable nobody reads gets a did-you-mean warning."""
+        known = self.known_variables()
+        warnings = []
+        for name in sorted(self.environ):
+            if not name.startswith("LOONGKIT_") or name in known:
+                continue
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            warnings.append(f"unknown variable {name}{hint}")
+        for warning in warnings:
+            self.log.warning(warning)
+        return warnings
+
+    def resolve(self) -> None:
+        """Decide for every feature: enabled? applicable? configured? then armed."""
+        features = [r.feature for r in self.records.values()]
+        if any(self._requested(r.feature) for r in self.records.values()):
+            for plugin, decisions in self.manager.call_each(
+                "loongkit_hardware_policy", hardware=_LazyHardware(self.env), features=features
+            ):
+                for name, decision in dict(decisions).items():
+                    if isinstance(decision, PolicyDecision):
+                        self.policies[name] = decision
+                    else:
+                        self.manager.fault(plugin, "loongkit_hardware_policy",
+                                           TypeError(f"policy for {name!r} is not a PolicyDecision"))
+        for record in self.records.values():
+            self._resolve_enabled(record)
+        for record in self.records.values():  # switched off by another enabled feature (seed: SUBCGROUPS)
+            if not record.enabled:
+                continue
+            for other in record.feature.disables:
+                target = self.records.get(other)
+                if target is not None and target.enabled:
+                    target.state = State.NOT_APPLICABLE
+                    target.reason = f"switched off by {record.feature.env}"
+        for record in self.records.values():
+            if record.enabled and record.state == State.DISABLED:
+                self._resolve_applicable(record)
+        for record in self.records.values():
+            if record.state == State.ARMED:
+                missing = [d for d in record.feature.depends_on
+                           if d not in self.records or self.records[d].state not in (State.ARMED, State.APPLIED)]
+                if missing:
+                    needs = ", ".join(self.records[d].feature.env if d in self.records else d for d in missing)
+                    record.state = State.NOT_APPLICABLE
+                    record.reason = f"needs {needs} enabled and applicable"
+        for record in self.records.values():
+            if record.enabled:
+                self.log.log(
+                    30 if record.explicit and record.state in (State.NOT_APPLICABLE, State.FAILED) else 20,
+                    "feature resolved", feature=record.feature.name, state=record.state.value,
+                    explicit=record.explicit, reason=record.reason or None)
+
+    def _requested(self, feature: Feature) -> bool:
+        value, _ = bool_or_none(self.environ.get(feature.env))
+        return bool(value) or (value is None and self.settings.all >= feature.level)
+
+    def _resolve_enabled(self, record: FeatureRecord) -> None:
+        feature = record.feature
+        value, invalid = bool_or_none(self.environ.get(feature.env))
+        if invalid:
+            self.log.warning(f"{feature.env}={self.environ.get(feature.env)!r} is invalid "
+                             "(not one of 1/on/yes/0/off/no); using the default (unset)")
+        policy = self.policies.get(feature.name)
+        if policy is not None:
+            record.policy = policy.reason
+        if value is True:
+            record.enabled, record.explicit = True, True
+        elif value is False:
+            record.enabled = False
+        elif self.settings.all >= feature.level:
+            if policy is not None and policy.enabled_by_default is False:
+                record.enabled = False
+                self.log.info("feature off by hardware policy", feature=feature.name, policy=policy.reason)
+            else:
+                record.enabled = True
+        record.state = State.DISABLED
+
+    def _resolve_applicable(self, record: FeatureRecord) -> None:
+        feature = record.feature
+        if not feature.implemented:
+            record.state, record.reason = State.NOT_IMPLEMENTED, "declared by its plugin, not built yet"
+            return
+        reason = requirements.check_all(feature.requires)
+        if reason is None:
+            reason = self._owner_call(record, "loongkit_detect", feature=feature, env=self.env)
+            if record.state == State.FAILED:
+                return
+        if reason:
+            record.state, record.reason = State.NOT_APPLICABLE, str(reason)
+            return
+        result = self._owner_call(record, "loongkit_configure", feature=feature, env=self.env,
+                                  policy=self.policies.get(feature.name))
+        if record.state == State.FAILED:
+            return
+        if result is not None:
+            config, warnings = result
+            record.config = config
+            for warning in warnings:
+                self.log.warning(warning, feature=feature.name)
+        record.state = State.ARMED
+
+    def _owner_call(self, record: FeatureRecord, hook: str, **kwargs: Any) -> Any:
+        try:
+            return self.manager.call_owner(record.feature.plugin, hook, **kwargs)
+        except LoongkitStrictError:
+            raise
+        except Exception as exc:
+            self.manager.fault(record.feature.plugin, hook, exc, record.feature.name)
+            return None
+
+    # -- activation ----------------------------------------------------------------------------
+    def context(self, record: FeatureRecord) -> ActivationContext:
+        ctx = self.contexts.get(record.feature.name)
+        if ctx is None:
+            ctx = ActivationContext(record, self.env, log.get_logger(f"loongkit.{record.feature.name}"),
+                                    importhooks.when_imported)
+            self.contexts[record.feature.name] = ctx
+        return ctx
+
+    def arm(self, record: FeatureRecord) -> None:
+        if not record.feature.targets:
+            self.activate(record, None)
+            return
+        for target in record.feature.targets:
+            importhooks.when_imported(target, _Activation(self, record, target))
+
+    def activate(self, record: FeatureRecord, target: str | None) -> None:
+        if record.state in (State.FAILED, State.NOT_APPLICABLE):
+            return
+        ctx = self.context(record)
+        start = time.perf_counter()
+        record.reason = ""  # the hook may set one ("no CUDA device") that the Summary shows
+        try:
+            with _watchdog(self.settings.activation_timeout):
+                self.manager.call_owner(record.feature.plugin, "loongkit_activate", feature=record.feature,
+                                        target=target, ctx=ctx)
+        except NotApplicable as exc:
+            ctx.patcher.undo()
+            record.state, record.reason = State.NOT_APPLICABLE, str(exc) or "not applicable"
+            self.log.log(30 if record.explicit else 20, "feature not applicable", feature=record.feature.name,
+                         target=target, reason=record.reason)
+            return
+        except LoongkitStrictError:
+            raise
+        except (Exception, ActivationTimeout) as exc:
+            try:
+                ctx.patcher.undo()
+            except Exception:
+                pass
+            self.manager.fault(record.feature.plugin, "loongkit_activate", exc, record.feature.name)
+            return
+        if target is not None:
+            record.applied_targets.append(target)
+        record.state = State.APPLIED
+        self.log.info("feature applied", feature=record.feature.name, target=target,
+                      seconds=round(time.perf_counter() - start, 4), patches=len(ctx.patcher))
+
+    def deactivate(self, name: str) -> None:
+        """Undo a feature's patches (tests and ``unpatch`` symmetry)."""
+        record = self.records[name]
+        ctx = self.contexts.get(name)
+        if ctx is None:
+            return
+        try:
+            self.manager.call_owner(record.feature.plugin, "loongkit_deactivate", feature=record.feature, ctx=ctx)
+        finally:
+            ctx.patcher.undo()
+            record.state, record.reason = State.ARMED, "deactivated"
+            record.applied_targets.clear()
+
+    def _import_hook_error(self, module: str, callback: Callable[..., Any], exc: BaseException) -> None:
+        feature = getattr(callback, "record", None)
+        name = feature.feature.name if isinstance(feature, FeatureRecord) else None
+        plugin = feature.feature.plugin if isinstance(feature, FeatureRecord) else "<import hook>"
+        self.manager.fault(plugin, f"import hook on {module}", exc, name)
+
+    # -- summary -------------------------------------------------------------------------------
+    def summary_text(self) -> str:
+        extra: list[str] = []
+        for _, lines in self.manager.call_each("loongkit_summary", records=list(self.records.values())):
+            extra.extend(str(line) for line in lines)
+        return summary_mod.render(list(self.records.values()), self.manager.faults, extra, log.log_path())
+
+    def finish(self) -> None:
+        """Print and log the Summary once, from the process that booted (never from a forked child)."""
+        if self._summary_done or os.getpid() != self.process.pid or not self.process.writes_summary:
+            return
+        self._summary_done = True
+        try:
+            for record in self.records.values():
+                if record.state == State.ARMED and not record.reason:
+                    record.reason = "target not imported: " + ", ".join(record.feature.targets)
+            text = self.summary_text()
+            destination = log.current_destination()
+            if self.process.prints_summary:
+                try:
+                    sys.stdout.write(text)
+                    sys.stdout.flush()
+                except (OSError, ValueError):
+                    pass
+            if destination is None or destination.kind != "stdout" or not self.process.prints_summary:
+                log.write_block(text)
+            if self.settings.summary_json:
+                path = summary_mod.json_path(self.settings.summary_json, self.process)
+                payload = summary_mod.to_json(list(self.records.values()), self.manager.faults, self.process,
+                                              log.log_path())
+                try:
+                    summary_mod.write_json(path, payload)
+                except OSError as exc:
+                    self.log.warning("cannot write LOONGKIT_SUMMARY_JSON", path=path, error=str(exc))
+        except Exception as exc:  # the Summary must never change the user's exit
+            self.log.error("summary failed", error=repr(exc))
+        finally:
+            log.shutdown()
+
+    def install_exit_handlers(self) -> None:
+        atexit.register(self.finish)
+        try:
+            os.register_at_fork(after_in_child=self._after_fork)
+        except AttributeError:
+            pass
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+                signal.signal(signal.SIGTERM, self._on_sigterm)
+        except (ValueError, OSError):
+            pass
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        # torchrun stops ranks with SIGTERM: write the Summary, then die of the signal as before.
+        self.finish()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def _after_fork(self) -> None:
+        process_mod.mark_forked_child(self.process)
+        try:
+            log.reopen_after_fork(self.process)
+        except Exception:
+            pass
+
+
+class _Activation:
+    """The import-hook callback for one feature and target (keeps the record for fault reports)."""
+
+    def __init__(self, runtime: Runtime, record: FeatureRecord, target: str) -> None:
+        self.runtime, self.record, self.target = runtime, record, target
+
+    def __call__(self, module: ModuleType) -> None:
+        self.runtime.activate(self.record, self.target)
+
+
+class _LazyHardware:
+    """Hands plugins the hardware without reading sysfs unless a policy actually looks."""
+
+    def __init__(self, env: Environment) -> None:
+        self._env = env
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._env.hardware, name)
+
+
+class _watchdog:  # noqa: N801 - used as a context manager
+    """Bound a feature's activation with SIGALRM when that is safe (main thread, timer unused).
+
+    A thread cannot be used: activation runs inside the target's import, holding its module lock.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.armed = False
+
+    def _expired(self, signum: int, frame: Any) -> None:
+        raise ActivationTimeout(f"activation exceeded LOONGKIT_ACTIVATION_TIMEOUT={self.seconds:g}s")
+
+    def __enter__(self) -> _watchdog:
+        if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
+            try:
+                if signal.getsignal(signal.SIGALRM) == signal.SIG_DFL and signal.getitimer(signal.ITIMER_REAL)[0] == 0:
+                    self.previous = signal.signal(signal.SIGALRM, self._expired)
+                    signal.setitimer(signal.ITIMER_REAL, self.seconds)
+                    self.armed = True
+            except (ValueError, OSError):
+                self.armed = False
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.armed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.previous)
+
+
+def _with_plugin(feature: Feature, plugin: str, version: str) -> Feature:
+    from dataclasses import replace
+
+    return replace(feature, plugin=plugin, plugin_version=feature.plugin_version or version)
+
+
+_runtime: Runtime | None = None
+
+
+def current() -> Runtime | None:
+    return _runtime
+
+
+def start() -> Runtime | None:
+    """Boot once per process (idempotent); never raises unless LOONGKIT_STRICT=1."""
+    global _runtime
+    if _runtime is not None:
+        return _runtime
+    runtime = Runtime()
+    _runtime = runtime
+    if runtime.process.role in (process_mod.LAUNCHER, process_mod.HELPER):
+        # torchrun's agent and helper processes train nothing; binding or patching them would
+        # leak into every rank they start.
+        runtime.records = {}
+        return runtime
+    try:
+        runtime.boot()
+    except LoongkitStrictError:
+        raise
+    except Exception as exc:
+        runtime.manager.fault("<core>", "boot", exc)
+    runtime.install_exit_handlers()
+    return runtime

@@ -1,0 +1,182 @@
+"""LOONGKIT_* settings with the product's exact rules, on pydantic-settings.
+
+Rules (from the product documentation):
+
+* bools accept ``1``/``on``/``yes`` and ``0``/``off``/``no``, case-insensitively; any other value is
+  "undefined" and reverts to the default (we also log one warning naming the variable);
+* ``LOONGKIT_LOGLEVEL`` accepts debug/info/warning/error/critical case-insensitively, else warning;
+* ``LOONGKIT_ALL`` is a level 0-3; anything else reverts to 0 with a warning.
+
+A bad value never raises out of loongkit: every field falls back to its own default on its own.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, TypeVar
+
+from pydantic import BeforeValidator, Field, ValidationError, ValidatorFunctionWrapHandler, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+TRUE_WORDS = frozenset({"1", "on", "yes"})
+FALSE_WORDS = frozenset({"0", "off", "no"})
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+# Variables read by the core itself (not by a feature).
+CORE_VARIABLES = (
+    "LOONGKIT_ALL",
+    "LOONGKIT_LOGLEVEL",
+    "LOONGKIT_LOGDIR",
+    "LOONGKIT_STRICT",
+    "LOONGKIT_SUMMARY_JSON",
+    "LOONGKIT_SYSFS_ROOT",
+    "LOONGKIT_ACTIVATION_TIMEOUT",
+    "LOONGKIT_DISABLE_PLUGINS",
+)
+
+
+def parse_bool(value: object) -> bool:
+    """The seed's bool rule; raises ValueError for an undefined value."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in TRUE_WORDS:
+            return True
+        if word in FALSE_WORDS:
+            return False
+    raise ValueError(f"{value!r} is not one of 1/on/yes/0/off/no")
+
+
+def bool_or_none(value: str | None) -> tuple[bool | None, bool]:
+    """Parse an optional bool variable: (value or None when unset/undefined, was_it_invalid)."""
+    if value is None:
+        return None, False
+    try:
+        return parse_bool(value), False
+    except ValueError:
+        return None, True
+
+
+def _parse_level(value: object) -> object:
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in LOG_LEVELS:
+            return word
+        raise ValueError(f"{value!r} is not one of {', '.join(LOG_LEVELS)}")
+    return value
+
+
+LkBool = Annotated[bool, BeforeValidator(parse_bool)]
+"""A bool field with the seed's rule."""
+
+# Warnings raised while loading a settings model, collected by load_settings().
+_warnings: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("loongkit_settings_warnings",
+                                                                               default=None)
+
+
+def _raw(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "...'"
+
+
+class LoongkitSettings(BaseSettings):
+    """Base for every LOONGKIT_* settings model (core and per-feature options).
+
+    Subclasses set ``model_config = SettingsConfigDict(env_prefix="LOONGKIT_<FEATURE>_")``. A field
+    that fails validation takes its default and records one warning instead of raising.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="LOONGKIT_", extra="ignore", case_sensitive=False)
+    # Fields whose variable was set but invalid (they hold their default).
+    invalid_fields: ClassVar[frozenset[str]] = frozenset()
+
+    @field_validator("*", mode="wrap")
+    @classmethod
+    def _fallback_to_default(cls, value: Any, handler: ValidatorFunctionWrapHandler, info: Any) -> Any:
+        try:
+            return handler(value)
+        except (ValidationError, ValueError) as exc:
+            field = cls.model_fields[info.field_name]
+            default = field.get_default(call_default_factory=True)
+            var = cls.env_name(info.field_name)
+            reason = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+            sink = _warnings.get()
+            if sink is not None:
+                sink.append(f"{var}={_raw(value)} is invalid ({reason}); using the default {default!r}")
+                sink.append(f"\0invalid:{info.field_name}")
+            return default
+
+    @classmethod
+    def env_name(cls, field_name: str) -> str:
+        field = cls.model_fields[field_name]
+        if field.validation_alias and isinstance(field.validation_alias, str):
+            return field.validation_alias.upper()
+        return (str(cls.model_config.get("env_prefix", "")) + field_name).upper()
+
+    @classmethod
+    def env_names(cls) -> tuple[str, ...]:
+        return tuple(cls.env_name(name) for name in cls.model_fields)
+
+
+S = TypeVar("S", bound="LoongkitSettings")
+
+
+def load_settings(
+    cls: type[S], defaults: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[S, list[str]]:
+    """Build ``cls`` from the environment; return it and the warnings for invalid values.
+
+    ``defaults`` replace field defaults where the variable is unset or invalid (hardware policy).
+    ``environ`` (tests, ``--info``) is read instead of ``os.environ``.
+    """
+    sink: list[str] = []
+    token = _warnings.set(sink)
+    try:
+        if environ is None:
+            settings = cls()
+        else:
+            names = {cls.env_name(name): name for name in cls.model_fields}
+            values = {names[k.upper()]: v for k, v in environ.items() if k.upper() in names}
+            settings = cls.model_validate(values)
+    finally:
+        _warnings.reset(token)
+    invalid = {w.split(":", 1)[1] for w in sink if w.startswith("\0invalid:")}
+    warnings = [w for w in sink if not w.startswith("\0")]
+    if defaults:
+        env = os.environ if environ is None else environ
+        for name, value in defaults.items():
+            if name not in cls.model_fields:
+                continue
+            var = cls.env_name(name)
+            if name in invalid or not any(k.upper() == var for k in env):
+                object.__setattr__(settings, name, value)
+    return settings, warnings
+
+
+class CoreSettings(LoongkitSettings):
+    """The variables the core reads for itself."""
+
+    model_config = SettingsConfigDict(env_prefix="LOONGKIT_", extra="ignore", case_sensitive=False)
+
+    all: int = Field(0, ge=0, le=3, description="Enable every feature up to this level (0-3).")
+    loglevel: Annotated[str, BeforeValidator(_parse_level)] = Field(
+        "warning", pattern="^(debug|info|warning|error|critical)$", description="Minimum log level."
+    )
+    logdir: str | None = Field(None, description="stdout, stderr or a directory for log files.")
+    strict: LkBool = Field(False, description="Turn plugin and feature faults into errors (plugin CI).")
+    summary_json: str | None = Field(None, description="Also write the Feature Summary as JSON here.")
+    sysfs_root: str = Field("/", description="Root under which /sys and /proc are read (tests, dry runs).")
+    activation_timeout: float = Field(
+        30.0, gt=0, le=3600, description="Seconds a feature's activation may take before it is abandoned."
+    )
+    disable_plugins: str = Field("", description="Comma-separated plugin names not to load.")
+
+    @field_validator("logdir", "summary_json", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        return None if isinstance(value, str) and not value.strip() else value

@@ -1,0 +1,137 @@
+"""pytest plugin for loongkit plugin authors (auto-loaded through the ``pytest11`` entry point).
+
+Fixtures:
+
+* ``loongkit_env`` — an environment with no LOONGKIT_* variables and logs in a temp dir; returns
+  the monkeypatch so tests set variables with ``loongkit_env.setenv(...)``.
+* ``run_loongkit`` — run a Python snippet in a fresh interpreter with the prelude on PYTHONPATH and
+  return its exit code, output, parsed JSON Summary and log files.
+* ``fake_sysfs`` — build a recorded hardware topology under a temp root (``LOONGKIT_SYSFS_ROOT``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def prelude_dir() -> str:
+    from loongkit_core.prelude import PATH
+
+    return PATH
+
+
+def clean_environ(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default os.environ) without LOONGKIT_* variables and without the prelude path."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith("LOONGKIT_")}
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+             if p and os.path.realpath(p) != os.path.realpath(prelude_dir())]
+    if parts:
+        env["PYTHONPATH"] = os.pathsep.join(parts)
+    else:
+        env.pop("PYTHONPATH", None)
+    return env
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    summary: dict[str, Any] | None
+    logdir: Path
+    summaries_printed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def feature(self, name: str) -> dict[str, Any]:
+        """The JSON Summary row of feature ``name`` (KeyError when it is not in the Summary)."""
+        assert self.summary is not None, f"no JSON summary; stderr:\n{self.stderr}"
+        for row in self.summary["features"]:
+            if row["name"] == name:
+                return row
+        raise KeyError(name)
+
+    def logs(self) -> str:
+        return "".join(p.read_text(errors="replace") for p in sorted(self.logdir.glob("*.log")))
+
+
+def run_snippet(code: str, env: Mapping[str, str] | None = None, *, tmp: Path, prelude: bool = True,
+                argv: Sequence[str] | None = None, timeout: float = 300, cwd: str | None = None) -> RunResult:
+    """Run ``code`` (or ``argv``) under loongkit in a fresh interpreter; see :class:`RunResult`."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    logdir = tmp / "logs"
+    summary_path = tmp / "summary.json"
+    full = clean_environ()
+    full.update({"LOONGKIT_LOGDIR": str(logdir), "LOONGKIT_SUMMARY_JSON": str(summary_path)})
+    full.update(env or {})
+    if prelude:
+        parts = [prelude_dir(), *[p for p in full.get("PYTHONPATH", "").split(os.pathsep) if p]]
+        full["PYTHONPATH"] = os.pathsep.join(parts)
+    command = list(argv) if argv is not None else [sys.executable, "-c", code]
+    proc = subprocess.run(command, env=full, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    return RunResult(proc.returncode, proc.stdout, proc.stderr, summary, logdir,
+                     proc.stdout.count("Loongkit Feature Summary"))
+
+
+@pytest.fixture
+def loongkit_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[pytest.MonkeyPatch]:
+    for name in list(os.environ):
+        if name.startswith("LOONGKIT_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("LOONGKIT_LOGDIR", str(tmp_path / "loongkit-logs"))
+    yield monkeypatch
+
+
+@pytest.fixture
+def run_loongkit(tmp_path: Path) -> Callable[..., RunResult]:
+    counter = iter(range(1_000_000))
+
+    def run(code: str = "", env: Mapping[str, str] | None = None, **kwargs: Any) -> RunResult:
+        return run_snippet(code, env, tmp=tmp_path / f"run{next(counter)}", **kwargs)
+
+    return run
+
+
+@pytest.fixture
+def fake_sysfs(tmp_path: Path) -> Callable[..., Any]:
+    """``fake_sysfs(**kw)`` writes a topology (see :mod:`loongkit_core.testing.topology`)."""
+    from loongkit_core.testing import topology
+
+    counter = iter(range(1_000_000))
+
+    def build(**kwargs: Any) -> Any:
+        return topology.write_topology(tmp_path / f"sysfs{next(counter)}", **kwargs)
+
+    return build
+
+
+def read_json(path: str | os.PathLike[str]) -> Any:
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def install_fake_plugin(site_dir: str | os.PathLike[str], module: str, source: str, *,
+                        entry_point: str | None = None, ep_name: str | None = None,
+                        version: str = "0.0.1") -> Path:
+    """Write a one-module distribution with a ``loongkit`` entry point into ``site_dir``.
+
+    Put ``site_dir`` on PYTHONPATH (``run_loongkit(env={"PYTHONPATH": ...})``) and the plugin is
+    discovered like a pip-installed one. ``entry_point`` defaults to ``"<module>"``.
+    """
+    site = Path(site_dir)
+    site.mkdir(parents=True, exist_ok=True)
+    (site / f"{module}.py").write_text(source)
+    dist = site / f"{module.replace('_', '-')}-{version}.dist-info"
+    dist.mkdir(exist_ok=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module.replace('_', '-')}\nVersion: {version}\n")
+    (dist / "entry_points.txt").write_text(f"[loongkit]\n{ep_name or module} = {entry_point or module}\n")
+    return site

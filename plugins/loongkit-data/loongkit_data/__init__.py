@@ -1,0 +1,3 @@
+"""loongkit-data plugin."""
+
+__version__ = "0.1.0"

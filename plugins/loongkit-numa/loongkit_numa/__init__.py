@@ -1,0 +1,3 @@
+"""loongkit-numa plugin."""
+
+__version__ = "0.1.0"

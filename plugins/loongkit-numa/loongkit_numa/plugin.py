@@ -1,0 +1,73 @@
+"""Entry point of loongkit-numa (resource control): declares its features; imports no torch."""
+
+from __future__ import annotations
+
+from loongkit_core.feature import Category, Feature
+from loongkit_core.kit import PluginSpec
+
+from loongkit_numa import __version__
+
+plugin = PluginSpec("numa", distribution="loongkit-numa")
+
+_NUMA_OPTIONS = tuple(
+    f"LOONGKIT_NUMA_AFFINITY_{o}"
+    for o in (
+        "ALLOW_INDEX",
+        "ALLOW_ASYMMETRIC",
+        "TRAIN_ON_GPULESS",
+        "DATA_WORKER_ON_GPULESS",
+        "DATA_WORKER_GPULESS_ONLY",
+        "PARTITION_PER_LLC",
+        "SEPARATE_BY_ROLES",
+    )
+)
+
+plugin.add(
+    Feature(
+        name="numa_affinity",
+        env="LOONGKIT_NUMA_AFFINITY",
+        level=1,
+        category=Category.RESOURCE,
+        description="Bind each training process (and its data workers) to its GPU's NUMA node.",
+        options=_NUMA_OPTIONS,
+        implemented=False,
+        plugin_version=__version__,
+    ),
+)
+plugin.add(
+    Feature(
+        name="subcgroups",
+        env="LOONGKIT_SUBCGROUPS",
+        level=2,
+        category=Category.RESOURCE,
+        description="Put training and data processes into per-rank child cgroups following the NUMA plan.",
+        disables=("numa_affinity",),
+        implemented=False,
+        plugin_version=__version__,
+    ),
+)
+plugin.add(
+    Feature(
+        name="config_guards",
+        env="LOONGKIT_CONFIG_GUARDS",
+        level=1,
+        category=Category.RESOURCE,
+        description="Warn when threads, data workers or compile threads exceed the node's CPU budget.",
+        requires=("torch>=2.1.0",),
+        options=("LOONGKIT_CONFIG_GUARDS_APPLY_FIX",),
+        implemented=False,
+        plugin_version=__version__,
+    ),
+)
+plugin.add(
+    Feature(
+        name="page_cache_limit",
+        env="LOONGKIT_PAGE_CACHE_LIMIT",
+        level=2,
+        category=Category.DATA,
+        description="Limit page cache on the container's root memcg to curb fragmentation jitter.",
+        options=("LOONGKIT_PAGE_CACHE_LIMIT_SIZE", "LOONGKIT_PAGE_CACHE_LIMIT_SYNC"),
+        implemented=False,
+        plugin_version=__version__,
+    ),
+)

@@ -1,0 +1,3 @@
+"""loongkit-ops plugin."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+"""loongkit-precision plugin."""
+
+__version__ = "0.1.0"
