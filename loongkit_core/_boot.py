@@ -27,9 +27,8 @@ def requested(environ: dict[str, str] | os._Environ[str] | None = None) -> bool:
     """
     env = os.environ if environ is None else environ
     for name, value in env.items():
-        if name.startswith("LOONGKIT_") and name not in _PASSIVE:
-            if value.strip().lower() not in _OFF:
-                return True
+        if name.startswith("LOONGKIT_") and name not in _PASSIVE and value.strip().lower() not in _OFF:
+            return True
     return False
 
 

@@ -118,7 +118,7 @@ def print_info(command: Sequence[str], environ: dict[str, str] | None = None) ->
 
 
 def build_parser(rt: Runtime | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="loongkit", description="loongkit: plugin-based PyTorch training acceleration")
+    parser = argparse.ArgumentParser(prog="loongkit", description="plugin-based PyTorch training acceleration")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("features", help="every feature of every installed plugin, and whether it applies here")
     p.add_argument("--json", action="store_true")

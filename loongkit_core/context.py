@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class NotApplicable(Exception):  # noqa: N818 - reads as a verdict, not an error
+class NotApplicable(Exception):
     """Raised by an activation hook when the target is not what the patch expects."""
 
 

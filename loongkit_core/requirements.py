@@ -37,7 +37,7 @@ class Installed:
     version: str
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def installed(module: str) -> Installed | None:
     """The installed distribution providing ``module``, from metadata only (cached per process)."""
     for dist in DISTRIBUTIONS.get(module, (module,)):

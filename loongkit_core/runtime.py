@@ -32,7 +32,7 @@ class LoongkitStrictError(RuntimeError):
     """A plugin or feature fault under ``LOONGKIT_STRICT=1``."""
 
 
-class ActivationTimeout(Exception):  # noqa: N818
+class ActivationTimeout(Exception):
     pass
 
 
@@ -52,6 +52,7 @@ class Runtime:
         self._arm = arm
         self._summary_done = False
         self._booting = True
+        self.destination: log.Destination | None = None
         self.log: Any = log.get_logger("loongkit.core")
 
     # -- faults --------------------------------------------------------------------------------
@@ -70,7 +71,7 @@ class Runtime:
         """Load plugins and resolve every feature; ``configure_logging=False`` (CLI) logs errors to stderr."""
         start = time.perf_counter()
         if configure_logging:
-            destination = log.configure(self.settings.loglevel, self.settings.logdir, self.process)
+            destination = self.destination = log.configure(self.settings.loglevel, self.settings.logdir, self.process)
         else:
             destination = log.configure("error", "stderr", self.process)
         self.log = log.get_logger("loongkit.core")
@@ -313,7 +314,7 @@ class Runtime:
                 if record.state == State.ARMED and not record.reason:
                     record.reason = "target not imported: " + ", ".join(record.feature.targets)
             text = self.summary_text()
-            destination = log.current_destination()
+            destination = self.destination
             if self.process.prints_summary:
                 try:
                     sys.stdout.write(text)
@@ -383,7 +384,7 @@ class _LazyHardware:
         return getattr(self._env.hardware, name)
 
 
-class _watchdog:  # noqa: N801 - used as a context manager
+class _watchdog:
     """Bound a feature's activation with SIGALRM when that is safe (main thread, timer unused).
 
     A thread cannot be used: activation runs inside the target's import, holding its module lock.

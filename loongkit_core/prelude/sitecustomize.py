@@ -40,10 +40,7 @@ def _loongkit_prelude() -> None:
             if ours is not None:
                 sys.modules["sitecustomize"] = ours
 
-    for name, value in os.environ.items():
-        if name.startswith("LOONGKIT_"):
-            break
-    else:
+    if not any(name.startswith("LOONGKIT_") for name in os.environ):
         return  # nothing configured: the common case costs one environ scan
     try:
         from loongkit_core import _boot

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from pydantic_settings import SettingsConfigDict
 
 from loongkit_core.settings import CoreSettings, LkBool, LoongkitSettings, load_settings, parse_bool
-from pydantic_settings import SettingsConfigDict
 
 
 @pytest.mark.parametrize("word", ["1", "on", "yes", "ON", "Yes", " yes "])
@@ -18,7 +18,7 @@ def test_false_words(word: str) -> None:
     assert parse_bool(word) is False
 
 
-@pytest.mark.parametrize("word", ["true", "false", "2", "", "y", "n", "t", "enable", "１"])
+@pytest.mark.parametrize("word", ["true", "false", "2", "", "y", "n", "t", "enable", "１"])  # noqa: RUF001
 def test_other_words_are_undefined(word: str) -> None:
     with pytest.raises(ValueError):
         parse_bool(word)

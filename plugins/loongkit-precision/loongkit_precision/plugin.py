@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from loongkit_core.feature import Category, Feature
 from loongkit_core.kit import PluginSpec
-
 from loongkit_precision import __version__
 
 plugin = PluginSpec("precision", distribution="loongkit-precision")

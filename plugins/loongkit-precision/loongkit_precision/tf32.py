@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loongkit_core.context import ActivationContext, Environment
+from loongkit_core.context import ActivationContext
 from loongkit_core.kit import FeatureImpl
 
 # Defaults of the new API on an untouched process: matmul "none" (inherit = ieee), cuDNN "tf32".

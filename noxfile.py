@@ -1,0 +1,92 @@
+"""Sessions: `nox -t test` runs every session that holds tests (what CI runs).
+
+- tests   : core + plugins, fast unit and end-to-end tests on torch 2.13.0 CPU (no OpenMMLab)
+- stack2  : integration tests against the OpenMMLab 2.x stack (mmcv 2.1.0 with CPU ops, mmengine,
+            mmdet 3.3, mmseg 1.2) on torch 2.13.0
+- lint    : ruff
+- bench   : every benchmark in --quick mode, writing bench-out/bench.md
+
+torch is always pinned (==2.13.0 takes the local CPU wheel here; an unpinned torch would fetch a
+multi-GB CUDA build). mmcv with ops is built from source once and its wheel cached outside the clone
+(LOONGKIT_WHEEL_CACHE, default ~/.cache/loongkit-wheels); a missing cache only costs the build.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+nox.options.reuse_existing_virtualenvs = True
+nox.options.error_on_missing_interpreters = True
+
+ROOT = Path(__file__).parent
+TORCH = "torch==2.13.0"
+PLUGINS = sorted(str(p) for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").exists())
+WHEELS = Path(os.environ.get("LOONGKIT_WHEEL_CACHE", Path.home() / ".cache" / "loongkit-wheels"))
+TEST_DEPS = ["pytest>=7.4", "hypothesis>=6.80", "numpy", "psutil"]
+
+
+def _install_loongkit(session: nox.Session) -> None:
+    session.install("-U", "pip", "wheel", "setuptools<81")
+    session.install(TORCH)
+    session.install("-e", ".", *[f"-e{p}" for p in PLUGINS], *TEST_DEPS)
+
+
+@nox.session(tags=["test"])
+def tests(session: nox.Session) -> None:
+    """Unit and end-to-end tests without the OpenMMLab stacks."""
+    _install_loongkit(session)
+    session.run("pytest", "-m", "not integration", *session.posargs)
+
+
+def _mmcv_wheel(session: nox.Session, version: str) -> str:
+    """Path of a cached mmcv wheel with CPU ops; build it (~8 min on 2 cores) when missing."""
+    WHEELS.mkdir(parents=True, exist_ok=True)
+    found = sorted(WHEELS.glob(f"mmcv-{version}-*.whl"))
+    if not found:
+        session.log(f"building mmcv {version} with CPU ops into {WHEELS} (one time, ~8 minutes)")
+        session.install("ninja", "psutil", "mmengine==0.10.7")
+        session.run("pip", "wheel", "--no-build-isolation", "--no-deps", f"mmcv=={version}", "-w", str(WHEELS),
+                    env={"MMCV_WITH_OPS": "1", "FORCE_CUDA": "0", "MAX_JOBS": str(os.cpu_count() or 2)})
+        found = sorted(WHEELS.glob(f"mmcv-{version}-*.whl"))
+    return str(found[-1])
+
+
+@nox.session(tags=["test"])
+def stack2(session: nox.Session) -> None:
+    """Integration tests on the OpenMMLab 2.x stack (mmcv 2.1.0, mmengine 0.10.7, mmdet 3.3, mmseg 1.2)."""
+    _install_loongkit(session)
+    session.install("ninja", "psutil", "mmengine==0.10.7")
+    session.install(_mmcv_wheel(session, "2.1.0"))
+    session.install("mmdet==3.3.0", "mmsegmentation==1.2.2", "ftfy", "regex")
+    session.run("pytest", "-m", "integration", *session.posargs,
+                env={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}, success_codes=[0, 5])
+
+
+@nox.session(tags=["lint"])
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Every benchmark, --quick unless posargs say otherwise; the table lands in bench-out/."""
+    _install_loongkit(session)
+    args = session.posargs or ["--quick"]
+    out = ROOT / "bench-out"
+    out.mkdir(exist_ok=True)
+    lines = []
+    for script in sorted((ROOT / "benchmarks").glob("*.py")):
+        if script.name.startswith("_"):
+            continue
+        result = session.run("python", str(script), *args, silent=True)
+        lines.extend(line for line in (result or "").splitlines() if line.startswith("BENCH "))
+    table = ["| case | baseline | ours | ratio |", "|---|---|---|---|"]
+    for line in lines:
+        fields = dict(part.split("=", 1) for part in line.split()[2:])
+        table.append(f"| {line.split()[1]} | {fields['baseline']} | {fields['ours']} | {fields['ratio']} |")
+    (out / "bench.md").write_text("\n".join(table) + "\n")
+    session.log("\n".join(table))
