@@ -42,6 +42,10 @@ def boot(source: str) -> object | None:
         return state._runtime  # type: ignore[attr-defined]
     if not requested():
         return None
+    from loongkit_core import process
+
+    if process.classify(list(getattr(sys, "orig_argv", sys.argv))) in (process.LAUNCHER, process.HELPER):
+        return None  # torchrun's agent, loongkit-run, forkserver: they train nothing
     try:
         from loongkit_core import runtime
     except Exception as exc:  # a broken install must not stop the user's program

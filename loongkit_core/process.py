@@ -9,13 +9,12 @@ Forked children inherit the parent's state; :func:`mark_forked_child` is called 
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from dataclasses import dataclass
 
 MAIN = "main"  # a training process (one per rank under torchrun)
 WORKER = "worker"  # a multiprocessing child: DataLoader workers (fork, spawn, forkserver)
-LAUNCHER = "launcher"  # torchrun's elastic agent: starts the ranks, trains nothing
+LAUNCHER = "launcher"  # torchrun's elastic agent or loongkit-run itself: starts others, trains nothing
 HELPER = "helper"  # forkserver, resource tracker, compile workers, other tools
 
 
@@ -63,11 +62,17 @@ def classify(argv: list[str]) -> str:
         return HELPER
     if "torch.distributed.run" in joined or "torch.distributed.launch" in joined:
         return LAUNCHER
-    if argv and len(argv) > 1 and os.path.basename(argv[1]) in ("torchrun",):
+    if argv and len(argv) > 1 and os.path.basename(argv[1]) in ("torchrun", "loongkit-run"):
         return LAUNCHER
     if argv and os.path.basename(argv[0]) == "torchrun":
         return LAUNCHER
     return MAIN
+
+
+def _hostname() -> str:
+    import socket  # not at module level: the fast path imports this module
+
+    return socket.gethostname()
 
 
 def detect() -> ProcessInfo:
@@ -75,7 +80,7 @@ def detect() -> ProcessInfo:
     return ProcessInfo(
         role=classify(argv),
         pid=os.getpid(),
-        host=socket.gethostname(),
+        host=_hostname(),
         rank=_int_env("RANK"),
         local_rank=_int_env("LOCAL_RANK"),
         world_size=_int_env("WORLD_SIZE"),

@@ -95,8 +95,10 @@ class Runtime:
         return self
 
     def declare(self) -> None:
-        """Collect every plugin's features; a name declared twice keeps the first plugin's."""
-        for plugin, features in self.manager.call_each("loongkit_declare_features"):
+        """Collect every plugin's features; a name declared twice keeps the first plugin's (by name)."""
+        order = {name: i for i, name in enumerate(self.manager.plugins)}
+        declared = self.manager.call_each("loongkit_declare_features")
+        for plugin, features in sorted(declared, key=lambda item: order.get(item[0], len(order))):
             loaded = self.manager.plugins.get(plugin)
             for feature in features:
                 if not isinstance(feature, Feature):

@@ -16,6 +16,7 @@ from loongkit_core import process
     (["python", "-c", "from multiprocessing.resource_tracker import main;main(6)"], process.HELPER),
     (["/venv/bin/python", "/venv/bin/torchrun", "--nproc-per-node", "2", "train.py"], process.LAUNCHER),
     (["python", "-m", "torch.distributed.run", "train.py"], process.LAUNCHER),
+    (["/venv/bin/python", "/venv/bin/loongkit-run", "python", "t.py"], process.LAUNCHER),
     (["python", "/site-packages/torch/_inductor/compile_worker/__main__.py", "--pickler=x"], process.HELPER),
 ])
 def test_classify(argv: list[str], role: str) -> None:
