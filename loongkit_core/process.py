@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 
 MAIN = "main"  # a training process (one per rank under torchrun)
-WORKER = "worker"  # a multiprocessing child: DataLoader workers (fork, spawn, forkserver)
+WORKER = "worker"  # a multiprocessing child: DataLoader workers (fork, spawn, forkserver) and the forkserver
 LAUNCHER = "launcher"  # torchrun's elastic agent or loongkit-run itself: starts others, trains nothing
 HELPER = "helper"  # forkserver, resource tracker, compile workers, other tools
 
@@ -56,7 +56,9 @@ def classify(argv: list[str]) -> str:
     joined = " ".join(argv)
     if "--multiprocessing-fork" in argv:
         return WORKER
-    if "multiprocessing.forkserver" in joined or "multiprocessing.resource_tracker" in joined:
+    if "multiprocessing.forkserver" in joined:
+        return WORKER  # the forkserver only forks workers; they inherit what it loaded
+    if "multiprocessing.resource_tracker" in joined:
         return HELPER
     if "torch._inductor.compile_worker" in joined or "compile_worker" in joined.replace("/", "."):
         return HELPER

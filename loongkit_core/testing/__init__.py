@@ -49,6 +49,7 @@ class RunResult:
     summary: dict[str, Any] | None
     logdir: Path
     summaries_printed: int = 0
+    summary_path: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def feature(self, name: str) -> dict[str, Any]:
@@ -79,7 +80,7 @@ def run_snippet(code: str, env: Mapping[str, str] | None = None, *, tmp: Path, p
     proc = subprocess.run(command, env=full, capture_output=True, text=True, timeout=timeout, cwd=cwd)
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     return RunResult(proc.returncode, proc.stdout, proc.stderr, summary, logdir,
-                     proc.stdout.count("Loongkit Feature Summary"))
+                     proc.stdout.count("Loongkit Feature Summary"), summary_path)
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from loongkit_core import process
     (["python", "-m", "mmdet.train"], process.MAIN),
     (["python", "-c", "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5, pipe_handle=7)",
       "--multiprocessing-fork"], process.WORKER),
-    (["python", "-c", "from multiprocessing.forkserver import main; main(3, 4, ['__main__'])"], process.HELPER),
+    (["python", "-c", "from multiprocessing.forkserver import main; main(3, 4, ['__main__'])"], process.WORKER),
     (["python", "-c", "from multiprocessing.resource_tracker import main;main(6)"], process.HELPER),
     (["/venv/bin/python", "/venv/bin/torchrun", "--nproc-per-node", "2", "train.py"], process.LAUNCHER),
     (["python", "-m", "torch.distributed.run", "train.py"], process.LAUNCHER),
