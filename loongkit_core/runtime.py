@@ -149,17 +149,17 @@ class Runtime:
                                            TypeError(f"policy for {name!r} is not a PolicyDecision"))
         for record in self.records.values():
             self._resolve_enabled(record)
-        for record in self.records.values():  # switched off by another enabled feature (seed: SUBCGROUPS)
-            if not record.enabled:
-                continue
-            for other in record.feature.disables:
-                target = self.records.get(other)
-                if target is not None and target.enabled:
-                    target.state = State.NOT_APPLICABLE
-                    target.reason = f"switched off by {record.feature.env}"
         for record in self.records.values():
             if record.enabled and record.state == State.DISABLED:
                 self._resolve_applicable(record)
+        for record in self.records.values():  # switched off by another applicable feature (seed: SUBCGROUPS)
+            if record.state != State.ARMED:
+                continue
+            for other in record.feature.disables:
+                target = self.records.get(other)
+                if target is not None and target.enabled and target.state != State.NOT_IMPLEMENTED:
+                    target.state = State.NOT_APPLICABLE
+                    target.reason = f"switched off by {record.feature.env}"
         for record in self.records.values():
             if record.state == State.ARMED:
                 missing = [d for d in record.feature.depends_on
