@@ -127,6 +127,9 @@ class FeatureRecord:
 
 
 def _jsonable(value: object) -> object:
+    dump = getattr(value, "model_dump", None)  # option models (pydantic) show as their fields
+    if callable(dump):
+        value = dump()
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, dict):
