@@ -49,6 +49,14 @@ def cmd_features(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"features": rows, "faults": [x.to_json() for x in rt.manager.faults]}, indent=2))
         return 0
+    if args.markdown:
+        print("| variable | level | category | versions | plugin | status |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            status = "implemented" if r["implemented"] else "declared, not implemented yet"
+            print(f"| `{r['env']}` | {r['level']} | {r['category']} | {', '.join(r['requires']) or 'any'} "
+                  f"| {r['plugin']} | {status} |")
+        return 0
     for category in dict.fromkeys(r["category"] for r in rows):
         print(f"== {category}")
         for r in (r for r in rows if r["category"] == category):
@@ -122,6 +130,7 @@ def build_parser(rt: Runtime | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("features", help="every feature of every installed plugin, and whether it applies here")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--markdown", action="store_true", help="the README's feature table")
     p.set_defaults(func=cmd_features)
     p = sub.add_parser("doctor", help="environment report: versions, CPU, NUMA, GPUs, cgroups, settings")
     p.add_argument("--json", action="store_true")
