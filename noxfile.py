@@ -39,6 +39,8 @@ def tests(session: nox.Session) -> None:
     """Unit and end-to-end tests without the OpenMMLab stacks."""
     _install_loongkit(session)
     session.run("pytest", "-m", "not integration", *session.posargs)
+    # Guard the fast path: a heavy import sneaking into start-up fails the build (bound is generous).
+    session.run("python", "benchmarks/startup.py", "--quick", "--check-ms", "20")
 
 
 def _mmcv_wheel(session: nox.Session, version: str) -> str:

@@ -80,11 +80,12 @@ def doctor_report(rt: Runtime) -> dict[str, object]:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "versions": versions,
-        "cpu_vendor": hw.cpu.vendor,
-        "numa_nodes": {n.id: sorted(n.cpus) for n in hw.numa_nodes},
-        "gpus": [{"pci": g.pci_address, "vendor": g.vendor, "numa_node": g.numa_node} for g in hw.gpus],
+        "cpu_vendor": hw.cpu_vendor,
+        "numa_nodes": {n.id: _cpulist(n.cpus) for n in hw.nodes},
+        "l3_caches": len(hw.l3_caches),
+        "gpus": [{"pci": g.pci, "vendor": g.vendor, "numa_node": g.numa_node} for g in hw.gpus],
         "cgroup_version": hw.cgroup_version,
-        "allowed_cpus": len(hw.allowed_cpus),
+        "allowed_cpus": _cpulist(hw.allowed_cpus),
         "hardware_notes": list(hw.notes),
         "settings": rt.settings.model_dump(),
         "process": rt.process.to_json(),
@@ -92,6 +93,12 @@ def doctor_report(rt: Runtime) -> dict[str, object]:
         "plugins": {p.name: f"{p.distribution} {p.version}" for p in rt.manager.plugins.values()},
         "faults": [f.to_json() for f in rt.manager.faults],
     }
+
+
+def _cpulist(cpus: frozenset[int]) -> str:
+    from loongkit_core.hardware import format_cpulist
+
+    return format_cpulist(cpus)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
