@@ -43,7 +43,10 @@ def _run(env: dict[str, str]) -> tuple[float, int]:
     return elapsed, usage.ru_maxrss * 1024
 
 
-def measure(extra: dict[str, str] | None, prelude: bool, runs: int) -> tuple[list[float], list[int], list[float], list[int]]:
+Samples = tuple[list[float], list[int], list[float], list[int]]
+
+
+def measure(extra: dict[str, str] | None, prelude: bool, runs: int) -> Samples:
     base_env = _clean_env()
     ours_env = dict(base_env)
     if prelude:

@@ -9,7 +9,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from loongkit_precision import tf32
 
 torch = pytest.importorskip("torch")
@@ -60,7 +59,8 @@ def test_deactivate_restores_exact_values() -> None:
         "import structlog\n"
         "b = torch.backends\n"
         "before = (b.cuda.matmul.fp32_precision, b.cudnn.conv.fp32_precision, b.cudnn.rnn.fp32_precision)\n"
-        "f = Feature(name='allow_tf32', env='LOONGKIT_ALLOW_TF32', level=1, category=Category.PRECISION, description='')\n"
+        "f = Feature(name='allow_tf32', env='LOONGKIT_ALLOW_TF32', level=1, category=Category.PRECISION,\n"
+        "            description='')\n"
         "from loongkit_core.feature import FeatureRecord\n"
         "from loongkit_core.context import ActivationContext\n"
         "rec = FeatureRecord(f)\n"
