@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from loongkit_core.feature import Category, Feature
-from loongkit_core.kit import PluginSpec
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+from loongkit_core.feature import Category, Feature, PolicyDecision
+from loongkit_core.kit import PluginSpec
 from loongkit_ops import __version__
 
 plugin = PluginSpec("ops", distribution="loongkit-ops")
 
 
 def _declare(name: str, level: int, description: str, requires: tuple[str, ...] = (),
-             targets: tuple[str, ...] = (), options: tuple[str, ...] = (), env: str | None = None) -> None:
+             targets: tuple[str, ...] = (), options: tuple[str, ...] = (), env: str | None = None,
+             impl: str | None = None) -> None:
     plugin.add(
         Feature(
             name=name,
@@ -22,16 +25,19 @@ def _declare(name: str, level: int, description: str, requires: tuple[str, ...] 
             requires=requires,
             targets=targets,
             options=options,
-            implemented=False,
+            implemented=impl is not None,
             plugin_version=__version__,
-        )
+        ),
+        impl=impl,
     )
 
 
 _declare("compile_resnet", 1, "torch.compile the stages of mmdet's ResNet backbone.",
          ("torch>=2.6.0", "mmdet>=1.0.0,<=3.3.0"), ("mmdet.models.backbones.resnet",))
-_declare("fused_adamw", 1, "AdamW with the fused implementation.", ("torch>=2.4.0",), ("torch.optim",))
-_declare("fused_adam", 1, "Adam with the fused implementation.", ("torch>=2.4.0",), ("torch.optim",))
+_declare("fused_adamw", 1, "AdamW with the fused implementation.", ("torch>=2.4.0",), ("torch.optim",),
+         impl="loongkit_ops.optim:FusedAdamW")
+_declare("fused_adam", 1, "Adam with the fused implementation.", ("torch>=2.4.0",), ("torch.optim",),
+         impl="loongkit_ops.optim:FusedAdam")
 _declare("openvla", 1, "torch.compile the Llama-2 decoder layers of an OpenVLA-style model.",
          ("torch>=2.6.0",), ("transformers.models.llama.modeling_llama",))
 _declare("mmdet_modules", 1, "torch.compile selected modules registered in mmdet.models.builder.MODELS.",
@@ -46,7 +52,23 @@ _declare("bevfusion", 3, "Fused bev_pool and vectorised geometry of BEVFusion.")
 _declare("hf_acc_compile", 3, "torch.compile training with HuggingFace Accelerate (inductor).",
          ("torch==2.10.*",), ("accelerate",))
 _declare("dynamic_shape_fix", 1, "Work around torch 2.9 crashes compiling with dynamic shapes.",
-         ("torch==2.9.*",), ("torch",))
+         ("torch==2.9.*",), ("torch._dynamo.config", "torch._inductor.config"),
+         impl="loongkit_ops.fixes:DynamicShapeFix")
 _declare("compile_pi0pytorch", 1, "torch.compile the pi0 PyTorch policy module.", ("torch>=2.6.0",))
 _declare("donated_buffer_fix", 1, "Disable donated_buffer where DDPOptimizer silently overwrites weights.",
-         ("torch>=2.6.0,<2.9",), ("torch",))
+         ("torch>=2.6.0,<2.9",), ("torch._dynamo.backends.distributed",),
+         impl="loongkit_ops.fixes:DonatedBufferFix")
+
+
+@plugin.policy
+def fused_adamw_policy(hardware: Any, features: Sequence[Feature]) -> Mapping[str, PolicyDecision]:
+    """The seed's hardware policy: FUSED_ADAMW off by default on NVIDIA GPUs, on for Pingtouge PPU."""
+    vendors = hardware.gpu_vendors
+    if "ppu" in vendors:
+        return {"fused_adamw": PolicyDecision(
+            reason="Pingtouge PPU: fused AdamW improves every model type", enabled_by_default=True)}
+    if "nvidia" in vendors:
+        return {"fused_adamw": PolicyDecision(
+            reason="NVIDIA GPU: fused AdamW can slow some models (LOONGKIT_FUSED_ADAMW=1 forces it)",
+            enabled_by_default=False)}
+    return {}

@@ -1,0 +1,200 @@
+"""Version-gated workarounds for torch.compile bugs: LOONGKIT_DONATED_BUFFER_FIX, LOONGKIT_DYNAMIC_SHAPE_FIX.
+
+Each one switches off the mechanism that fails, only where it fails, and looks every flag up by
+attribute: a torch that moved or renamed a flag gets "not applicable" with the reason, never a guess.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from typing import Any
+
+from loongkit_core.context import ActivationContext, Environment, NotApplicable
+from loongkit_core.kit import FeatureImpl
+
+# The upstream fix of the DDPOptimizer / donated-buffer bug keeps one fw_metadata per bucket in a
+# DDPOptimizerContext on the TracingContext (pytorch/pytorch#160745, first released in 2.9.0).
+DDP_FIX_MARKERS = ("DDPOptimizerContext", "ddp_optimizer_ctx")
+DDP_MODULE = "torch._dynamo.backends.distributed"
+
+
+def torch_source(relpath: str) -> str | None:
+    """Text of a file of the installed torch package, found without importing torch."""
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for base in locations:
+        try:
+            with open(os.path.join(base, relpath), encoding="utf-8", errors="replace") as fh:
+                return fh.read()
+        except OSError:
+            continue
+    return None
+
+
+def has_ddp_fix(source: str | None) -> bool:
+    return source is not None and any(marker in source for marker in DDP_FIX_MARKERS)
+
+
+class DonatedBufferFix(FeatureImpl):
+    """torch 2.6-2.8: DDPOptimizer + donated buffers silently overwrite weights.
+
+    The bug (pytorch/pytorch#160745): DDPOptimizer splits one dynamo graph into N AOT graphs but
+    AOTAutograd stashes each graph's ``fw_metadata`` on the one TracingContext, so graph i clobbers
+    graph i-1's. Backward graphs compile lazily, last first, and all reuse the last graph's
+    ``bw_donated_idxs``: inductor then writes into buffers that are still live (weights among them).
+    Upstream's workaround is ``torch._functorch.config.donated_buffer = False``.
+
+    DDPOptimizer runs when dynamo compiles a frame with ``optimize_ddp`` in "ddp_optimizer" mode (the
+    default, True) inside the forward of a DistributedDataParallel module
+    (``DistributedDataParallel._get_active_ddp_module()``, see ``torch/_dynamo/convert_frame.py`` /
+    ``eval_frame.py``); it then imports ``torch._dynamo.backends.distributed`` and builds a
+    ``DDPOptimizer`` whose ``compile_fn`` splits and compiles the graph. Wrapping ``compile_fn`` is that
+    exact condition: the flag goes off before the first split graph's forward is compiled (where
+    ``bw_donated_idxs`` is computed) and stays off, since the backward graphs compile later, lazily.
+    Compiles without DDP keep donated buffers.
+    """
+
+    def detect(self, env: Environment) -> str | None:
+        if has_ddp_fix(torch_source(os.path.join("_dynamo", "backends", "distributed.py"))):
+            return f"torch {env.version('torch')} has the upstream fix (DDPOptimizerContext, pytorch#160745)"
+        return None
+
+    def activate(self, ctx: ActivationContext, target: str | None) -> None:
+        module = sys.modules.get(DDP_MODULE) or importlib.import_module(DDP_MODULE)
+        if any(hasattr(module, marker) for marker in DDP_FIX_MARKERS):
+            raise NotApplicable("torch has the upstream fix (DDPOptimizerContext, pytorch#160745)")
+        ddp_optimizer = getattr(module, "DDPOptimizer", None)
+        if ddp_optimizer is None or not callable(getattr(ddp_optimizer, "compile_fn", None)):
+            raise NotApplicable(f"{DDP_MODULE} has no DDPOptimizer.compile_fn")
+        fconfig = importlib.import_module("torch._functorch.config")
+        if not hasattr(fconfig, "donated_buffer"):
+            raise NotApplicable("torch._functorch.config has no donated_buffer flag")
+
+        original = ddp_optimizer.compile_fn
+        state: dict[str, Any] = {"donated_buffer_before": None, "switched_off": False}
+        ctx.set_config(state)
+        record = ctx.record
+
+        def compile_fn(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if fconfig.donated_buffer:
+                state["donated_buffer_before"] = True
+                fconfig.donated_buffer = False
+                state["switched_off"] = True
+                ctx.log.warning("DDPOptimizer is compiling a DDP model: torch._functorch.config.donated_buffer "
+                                "switched off (pytorch#160745)")
+            record.calls += 1
+            return original(self, *args, **kwargs)
+
+        compile_fn.__wrapped__ = original  # type: ignore[attr-defined]
+        ctx.patcher.patch(ddp_optimizer, "compile_fn", compile_fn)
+        self._state, self._fconfig = state, fconfig
+        ctx.log.info("donated_buffer fix armed on DDPOptimizer.compile_fn",
+                     donated_buffer=bool(fconfig.donated_buffer))
+
+    def deactivate(self, ctx: ActivationContext) -> None:
+        state = getattr(self, "_state", None)
+        if state is not None and state["switched_off"]:
+            self._fconfig.donated_buffer = state["donated_buffer_before"]
+            state["switched_off"] = False
+        super().deactivate(ctx)
+
+
+class DynamicShapeFix(FeatureImpl):
+    """torch 2.9.x: two mechanisms that crash compiles with dynamic shapes, switched off.
+
+    * ``torch._dynamo.config.enable_cpp_symbolic_shape_guards``: turned on by default in 2.9.0
+      (pytorch/pytorch#140756, "Dynamic shape guards in C++"): symbolic shape guards are then
+      compiled to C++ with the host compiler at every dynamic-shape compile, the 2.9.0 crash path
+      (and a gcc run per guard set). Upstream reverted the default to False
+      (pytorch/pytorch#166427). Changed only where it is still True.
+    * ``torch._inductor.config.triton.coalesce_tiling_analysis``: the coalesce tiling analysis
+      (pytorch/pytorch#158872) "does not yet apply to dynamic shapes" (its own config comment) yet runs
+      for them, and ``tiling_utils.get_pw_red_splits`` raises AssertionError on symbolic sizes
+      (roboflow/rf-detr#1455 "disable Inductor coalesce tiling"; pytorch/pytorch#197077). With it off
+      inductor picks tilings the 2.8 way; results are unchanged. An explicit
+      ``TORCHINDUCTOR_COALESCE_TILING_ANALYSIS`` is the user's choice and is kept.
+    """
+
+    FLAGS: dict[str, tuple[str, str]] = {
+        # target module -> (attribute path inside it, label in the Summary)
+        "torch._dynamo.config": ("enable_cpp_symbolic_shape_guards", "cpp_symbolic_shape_guards"),
+        "torch._inductor.config": ("triton.coalesce_tiling_analysis", "coalesce_tiling_analysis"),
+    }
+
+    def __init__(self, feature: Any) -> None:
+        super().__init__(feature)
+        self.config: dict[str, str] = {}
+        self._restore: list[tuple[Any, str, Any]] = []
+        self._callback: Any = None
+
+    def activate(self, ctx: ActivationContext, target: str | None) -> None:
+        if target not in self.FLAGS:
+            raise NotApplicable(f"unexpected target {target!r}")
+        module = sys.modules.get(target) or importlib.import_module(target)
+        path, label = self.FLAGS[target]
+        owner: Any = module
+        *parents, attr = path.split(".")
+        for name in parents:
+            owner = getattr(owner, name, None)
+            if owner is None:
+                break
+        if owner is None or not hasattr(owner, attr):
+            self._restore_flags()  # all or nothing: undo what an earlier target switched
+            raise NotApplicable(f"{target} has no {path}: not the torch 2.9 layout this fix targets")
+        ctx.set_config(self.config)
+        value = getattr(owner, attr)
+        if label == "coalesce_tiling_analysis" and os.environ.get("TORCHINDUCTOR_COALESCE_TILING_ANALYSIS"):
+            self.config[label] = "kept (TORCHINDUCTOR_COALESCE_TILING_ANALYSIS set by user)"
+        elif value:
+            self._restore.append((owner, attr, value))
+            setattr(owner, attr, False)
+            self.config[label] = "off"
+        else:
+            self.config[label] = "already off"
+        ctx.log.info("dynamic shape fix", flag=f"{target}.{path}", was=value, now=getattr(owner, attr))
+        self._count_compiles(ctx)
+
+    def _count_compiles(self, ctx: ActivationContext) -> None:
+        """The '*' means a compile ran with the fix in place (dynamo's compile-start callback)."""
+        if self._callback is not None or not self._restore:
+            return
+        record = ctx.record
+
+        def started(*args: Any, **kwargs: Any) -> None:
+            record.calls += 1
+
+        def register(module: Any) -> None:
+            handler = getattr(module, "callback_handler", None)
+            if handler is None or not hasattr(handler, "register_start_callback"):
+                ctx.mark_active()  # no callback API to count with: the switched flag is all there is
+                return
+            handler.register_start_callback(started)
+            self._callback = (handler, started)
+
+        self._callback = ()  # registration pending (torch._dynamo.callback may still be importing)
+        # Registered once torch._dynamo.callback has finished importing: the config module is
+        # imported from inside torch._dynamo's own import, where pulling in more of it is unsafe.
+        ctx.on_import("torch._dynamo.callback", register)
+
+    def _restore_flags(self) -> None:
+        while self._restore:
+            owner, attr, value = self._restore.pop()
+            setattr(owner, attr, value)
+
+    def deactivate(self, ctx: ActivationContext) -> None:
+        self._restore_flags()
+        if self._callback:
+            handler, fn = self._callback
+            try:
+                handler.remove_start_callback(fn)
+            except (ValueError, AttributeError):
+                pass
+            self._callback = None
+        self.config.clear()
+        super().deactivate(ctx)
