@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from loongkit_core.feature import Category, Feature
 from loongkit_core.kit import PluginSpec
-
 from loongkit_numa import __version__
+from loongkit_numa.policy import vendor_policy
 
 plugin = PluginSpec("numa", distribution="loongkit-numa")
+plugin.policy(vendor_policy)  # AMD/Hygon: PARTITION_PER_LLC on by default; Intel: node binding only
+
+
+@plugin.cli
+def _add_cli(subparsers: Any) -> None:
+    """``loongkit numa plan`` (argparse is imported only when the CLI runs)."""
+    from loongkit_numa.cli import add_cli
+
+    add_cli(subparsers)
+
 
 _NUMA_OPTIONS = tuple(
     f"LOONGKIT_NUMA_AFFINITY_{o}"
@@ -30,9 +42,9 @@ plugin.add(
         category=Category.RESOURCE,
         description="Bind each training process (and its data workers) to its GPU's NUMA node.",
         options=_NUMA_OPTIONS,
-        implemented=False,
         plugin_version=__version__,
     ),
+    impl="loongkit_numa.affinity:NumaAffinity",
 )
 plugin.add(
     Feature(
