@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from loongkit_core.feature import Category, Feature
 from loongkit_core.kit import PluginSpec
-
 from loongkit_data import __version__
 
 plugin = PluginSpec("data", distribution="loongkit-data")
@@ -46,6 +47,11 @@ for _feature in (
         implemented=False,
         plugin_version=__version__,
     ),
+):
+    plugin.add(_feature)
+
+# LOONGKIT_IMNORMALIZE and LOONGKIT_DISTORTION (issue 6): bit-exact compiled CPU kernels.
+plugin.add(
     Feature(
         name="imnormalize",
         env="LOONGKIT_IMNORMALIZE",
@@ -53,9 +59,11 @@ for _feature in (
         category=Category.DATA,
         description="Bit-exact compiled CPU kernel for mmcv imnormalize.",
         targets=("mmcv.image.photometric",),
-        implemented=False,
         plugin_version=__version__,
     ),
+    impl="loongkit_data.imnormalize:ImNormalize",
+)
+plugin.add(
     Feature(
         name="distortion",
         env="LOONGKIT_DISTORTION",
@@ -63,9 +71,14 @@ for _feature in (
         category=Category.DATA,
         description="Bit-exact compiled CPU kernel for mmdet PhotoMetricDistortion.",
         targets=("mmdet.datasets.pipelines.transforms", "mmdet.datasets.transforms.transforms"),
-        implemented=False,
         plugin_version=__version__,
     ),
+    impl="loongkit_data.distortion:Distortion",
+)
+
+
+# LOONGKIT_PYTORCH and LOONGKIT_MALLOC (issues 5 and 12): DataLoader memory and allocator tuning.
+plugin.add(
     Feature(
         name="pytorch",
         env="LOONGKIT_PYTORCH",
@@ -73,9 +86,11 @@ for _feature in (
         category=Category.DATA,
         description="DataLoader memory: serialized dataset lists, worker allocator tuning, open-files limit.",
         targets=("torch.utils.data",),
-        implemented=False,
         plugin_version=__version__,
     ),
+    impl="loongkit_data.pytorch_memory:PytorchMemory",
+)
+plugin.add(
     Feature(
         name="malloc",
         env="LOONGKIT_MALLOC",
@@ -83,8 +98,42 @@ for _feature in (
         category=Category.DATA,
         description="Allocator tuning (or jemalloc/tcmalloc preload) in the training process.",
         options=("LOONGKIT_MALLOC_ALLOCATOR",),
-        implemented=False,
         plugin_version=__version__,
     ),
-):
-    plugin.add(_feature)
+    impl="loongkit_data.malloc:Malloc",
+)
+
+
+@plugin.summary
+def _memory_summary(records: Any) -> list[str]:
+    """Exit lines of pytorch/malloc: what was serialized, and the page faults that were measured."""
+    lines: list[str] = []
+    for record in records:
+        if record.feature.name in ("pytorch", "malloc") and record.enabled and record.feature.plugin == "data" \
+                and record.state.value in ("applied", "active"):
+            lines.extend(plugin.impl(record.feature).summary_lines())  # type: ignore[attr-defined]
+    return lines
+
+
+@plugin.cli
+def _malloc_cli(subparsers: Any) -> None:
+    """``loongkit malloc-env [jemalloc|tcmalloc]``: the variables that preload an allocator library."""
+    parser = subparsers.add_parser("malloc-env", help="print LD_PRELOAD (and MALLOC_CONF) for jemalloc/tcmalloc, "
+                                   "for `env $(loongkit malloc-env jemalloc) loongkit-run ...`")
+    parser.add_argument("allocator", nargs="?", default="jemalloc", choices=("jemalloc", "tcmalloc"))
+
+    def run(args: Any) -> int:
+        import os
+        import sys
+
+        from loongkit_data import allocator
+
+        path = allocator.find_library(args.allocator)
+        if path is None:
+            sys.stderr.write(f"{args.allocator} is not installed\n")
+            return 1
+        changes = allocator.preload_environ(path, args.allocator, os.environ)
+        print(" ".join(f"{k}={v}" for k, v in changes.items()))
+        return 0
+
+    parser.set_defaults(func=run)

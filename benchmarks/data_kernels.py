@@ -1,0 +1,91 @@
+"""LOONGKIT_IMNORMALIZE / LOONGKIT_DISTORTION: per-image time, one thread (as in a data worker).
+
+Run in the mm venv:  /work/mmvenv/bin/python benchmarks/data_kernels.py [--quick]
+
+Lines:
+  BENCH imnormalize_<WxH> baseline=<mmcv s> ours=<kernel s> ratio=<mmcv/kernel>
+  BENCH imnormalize_floor_<WxH> baseline=<copy floor s> ours=<kernel s> ratio=<floor/kernel>
+      (the floor reads the uint8 input once and writes a fresh float32 output once:
+       numpy astype(float32); ratio >= 0.67 means "within 1.5x of the floor")
+  BENCH distortion_<WxH> baseline=<mmdet 3.x transform s> ours=<patched transform s> ratio=...
+Distortion runs with every step on (brightness, contrast, saturation, hue, swap): the slowest path.
+Each number is the median of repeated runs on a fresh random uint8 image; the first (build) call is
+excluded and reported once as BUILD.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+SIZES = ((1600, 900), (1333, 800), (640, 480))
+
+
+def timeit(fn: Callable[[], Any], repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def line(name: str, baseline: float, ours: float) -> None:
+    print(f"BENCH {name} baseline={baseline:.6f} ours={ours:.6f} ratio={baseline / ours:.2f}", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    repeat = 7 if args.quick else 31
+
+    import cv2
+
+    cv2.setNumThreads(1)
+    from loongkit_data import kernels
+    from loongkit_data.distortion import kernel_params
+    from loongkit_data.kernels import ops
+    from mmcv.image import photometric
+    from mmdet.datasets.transforms.transforms import PhotoMetricDistortion
+
+    start = time.perf_counter()
+    if kernels.load() is None:
+        print(f"kernels unavailable: {kernels.failure()}", file=sys.stderr)
+        return 1
+    print(f"BUILD load_or_build_s={time.perf_counter() - start:.2f} "
+          f"compiled_now={kernels.build_seconds is not None}", flush=True)
+
+    rng = np.random.default_rng(0)
+    mean = np.array([123.675, 116.28, 103.53], np.float32)
+    std = np.array([58.395, 57.12, 57.375], np.float32)
+    for w, h in SIZES:
+        img = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        base = timeit(lambda img=img: photometric.imnormalize(img, mean, std, True), repeat)
+        ours = timeit(lambda img=img: ops.imnormalize(img, mean, std, True), repeat)
+        floor = timeit(lambda img=img: img.astype(np.float32), repeat)
+        line(f"imnormalize_{w}x{h}", base, ours)
+        line(f"imnormalize_floor_{w}x{h}", floor, ours)
+
+    draws = (1, 1, 1, 1, 1, 1, 17.3, 1.21, 1.37, -7.9, np.array([2, 0, 1]))
+    t = PhotoMetricDistortion()
+    t._random_flags = lambda: draws  # same draws for both sides
+    params = kernel_params(*draws[:6], *draws[6:10], draws[10], clip=True)
+    assert params is not None
+    for w, h in SIZES:
+        img = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        base = timeit(lambda img=img: PhotoMetricDistortion.transform(t, {"img": img}), repeat)
+        ours = timeit(lambda img=img: ops.distort(img, **params), repeat)
+        line(f"distortion_{w}x{h}", base, ours)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""glibc malloc tuning through ctypes, and allocator-library preloading; no torch import.
+
+Why: with glibc's defaults a large temporary (an image, a loss tensor) is served by mmap or from
+the top of the heap, and freeing it hands the pages back to the kernel (munmap, or a trim once
+the free top exceeds the trim threshold). The next call page-faults every page in again. Raising
+the mmap threshold (fixed, which also stops glibc's dynamic threshold), the trim threshold and
+the top pad keeps those pages in the process; an arena cap bounds how many heaps threads spread
+that retained memory over. Values: see ``GLIBC_TUNING`` and docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import platform
+import resource
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+# <malloc.h> parameter numbers (identical in every glibc since 2.x).
+M_TRIM_THRESHOLD = -1
+M_TOP_PAD = -2
+M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
+PARAMS = {"mmap_threshold": M_MMAP_THRESHOLD, "trim_threshold": M_TRIM_THRESHOLD,
+          "top_pad": M_TOP_PAD, "arena_max": M_ARENA_MAX}
+
+MiB = 1 << 20
+# Measured on this project's machine (2 cores, glibc 2.36, mm stack; benchmarks/allocator.py and
+# docs/benchmarks.md): one forked worker, 10 calls each, ms per call / minor faults per call / peak RSS MiB.
+#                              imnormalize     DiceLoss          Voxelization     MSDA pytorch
+#   glibc defaults             13.6/5,375/266  256/98,313/744    162/82,274/653   240/102,762/698
+#   mmap 32M  trim 256M        3.5/0           91/29,186         -                -
+#   mmap 256M trim 256M        3.7/0/266       84/8,295/857      173/65,545/650   133/43,616/771
+#   mmap 256M trim 512M (used) 3.9/0/266       79/3,892/934      32/9/650         70/3,188/822
+#   mmap 512M trim 512M        3.8/0/266       80/3,892/934      26/9/650         71/3,375/829
+#   mmap 256M trim 1G          -               -                 45/9/650         -
+# * mmap_threshold 256 MiB: temporaries up to 256 MiB (a 4x19x256x512 float32 loss tensor is 40 MiB,
+#   Voxelization's 1024x1024x40 index table 168 MiB) come from the heap; a fixed value also stops
+#   glibc's dynamic threshold. Larger bought nothing.
+# * trim_threshold 512 MiB: the free heap top kept is bounded by it; 256 MiB still released
+#   Voxelization's table each call. The cost: peak RSS +0 to +190 MiB per worker above.
+# * top_pad 64 MiB: each heap extension asks for this much extra, so growth takes few brk calls.
+# * arena_max 4: DataLoader workers run Python in one thread plus a few library threads; more
+#   arenas only multiply retained memory (arena_max 1 made Voxelization slower: 74 ms, 25k faults).
+GLIBC_TUNING: dict[str, int] = {
+    "mmap_threshold": 256 * MiB,
+    "trim_threshold": 512 * MiB,
+    "top_pad": 64 * MiB,
+    "arena_max": 4,
+}
+
+# Debian/Ubuntu names first (libjemalloc2, libtcmalloc-minimal4), then what run_cpu looks for.
+LIBRARY_NAMES = {
+    "jemalloc": ("libjemalloc.so.2", "libjemalloc.so"),
+    "tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so", "libtcmalloc.so"),
+}
+LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib/loongarch64-linux-gnu",
+                "/usr/local/lib", "/usr/local/lib64", "/usr/lib", "/usr/lib64", "/lib/x86_64-linux-gnu")
+# What torch.backends.xeon.run_cpu sets for a preloaded jemalloc.
+JEMALLOC_CONF = "oversize_threshold:1,background_thread:true,metadata_thp:auto"
+
+
+def libc_name() -> tuple[str, str]:
+    """("glibc", "2.36") / ("musl", "") / ("", "") from the interpreter's own libc, without spawning."""
+    name, version = platform.libc_ver()
+    if name:
+        return name, version
+    try:  # musl's loader shows up in the process's maps
+        with open("/proc/self/maps") as fh:
+            if "musl" in fh.read():
+                return "musl", ""
+    except OSError:
+        pass
+    return "", ""
+
+
+def glibc_reason() -> str | None:
+    """None when this process runs on glibc with mallopt; else why tuning cannot apply."""
+    name, _ = libc_name()
+    if name != "glibc":
+        return f"libc is {name or 'unknown'}, not glibc: mallopt tuning does not apply"
+    if _mallopt() is None:
+        return "glibc without a mallopt symbol"
+    other = preloaded_allocator()
+    if other is not None:
+        return f"{other} is preloaded: glibc malloc is not in use"
+    return None
+
+
+def _mallopt() -> object | None:
+    try:
+        libc = ctypes.CDLL(None)
+        fn = libc.mallopt
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@dataclass
+class TuningResult:
+    applied: dict[str, int]
+    refused: dict[str, int]
+    skipped: str | None = None  # why nothing was applied
+
+    def to_config(self) -> dict[str, object]:
+        if self.skipped:
+            return {"skipped": self.skipped}
+        out: dict[str, object] = {k: _human(v) if k != "arena_max" else v for k, v in self.applied.items()}
+        if self.refused:
+            out["refused"] = sorted(self.refused)
+        return out
+
+
+def apply_glibc(values: Mapping[str, int] | None = None) -> TuningResult:
+    """mallopt each value in this process; a parameter glibc refuses is reported, never raised."""
+    values = GLIBC_TUNING if values is None else values
+    reason = glibc_reason()
+    if reason is not None:
+        return TuningResult({}, {}, reason)
+    fn = _mallopt()
+    applied: dict[str, int] = {}
+    refused: dict[str, int] = {}
+    for name, value in values.items():
+        ok = fn(PARAMS[name], int(value))  # type: ignore[operator]
+        (applied if ok == 1 else refused)[name] = int(value)
+    return TuningResult(applied, refused)
+
+
+def preloaded_allocator(environ: Mapping[str, str] | None = None) -> str | None:
+    """jemalloc / tcmalloc when one is loaded in this process (LD_PRELOAD'ed), else None."""
+    try:
+        with open("/proc/self/maps") as fh:
+            maps = fh.read()
+    except OSError:
+        maps = (environ or os.environ).get("LD_PRELOAD", "")
+    for kind in ("jemalloc", "tcmalloc"):
+        if f"lib{kind}" in maps:
+            return kind
+    return None
+
+
+def find_library(kind: str, search: tuple[str, ...] = LIBRARY_DIRS) -> str | None:
+    """Full path of the jemalloc/tcmalloc shared library, or None when not installed."""
+    for directory in search:
+        for name in LIBRARY_NAMES[kind]:
+            path = os.path.join(directory, name)
+            if os.path.exists(path):
+                return path
+    found = ctypes.util.find_library(kind if kind == "jemalloc" else "tcmalloc_minimal")
+    if found:
+        for directory in search:
+            path = os.path.join(directory, found)
+            if os.path.exists(path):
+                return path
+    return None
+
+
+def preload_environ(path: str, kind: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables a child needs to start with ``path`` preloaded (like run_cpu's add_lib_preload)."""
+    parts = [p for p in environ.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
+    changes = {"LD_PRELOAD": ":".join([path, *[p for p in parts if p != path]])}
+    if kind == "jemalloc" and "MALLOC_CONF" not in environ:
+        changes["MALLOC_CONF"] = JEMALLOC_CONF
+    return changes
+
+
+def raise_nofile() -> tuple[int, int, int] | None:
+    """Raise RLIMIT_NOFILE's soft limit to the hard limit; (before, after, hard), None if unchanged."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return None
+    resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return soft, target, hard
+
+
+def minor_faults(who: int = resource.RUSAGE_SELF) -> int:
+    return resource.getrusage(who).ru_minflt
+
+
+def _human(value: int) -> str:
+    return f"{value // MiB}MiB" if value % MiB == 0 else str(value)

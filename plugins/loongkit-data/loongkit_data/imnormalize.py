@@ -1,0 +1,116 @@
+"""LOONGKIT_IMNORMALIZE: mmcv's imnormalize / imnormalize_ on a compiled, bit-exact CPU kernel.
+
+Patch layer only; the arithmetic lives in ``loongkit_data/kernels``. On import of
+``mmcv.image.photometric`` both functions are replaced wherever a loaded module binds the
+originals by name; ``mmcv.image`` and ``mmcv`` re-export them while their package ``__init__`` is
+still running, so they bind the replacements. Every caller looks them up through one of those
+names (mmcv 2.x ``transforms.Normalize`` calls ``mmcv.imnormalize``, mmdet 2.x ``Normalize``
+likewise, mmdet's ``imrenormalize`` too). Inputs the kernel does not take (other dtypes, shapes,
+list means, or no kernel at all) run the original function and are counted by reason.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from loongkit_core.context import ActivationContext, Environment, NotApplicable
+from loongkit_core.kit import FeatureImpl
+
+NAMES = ("imnormalize", "imnormalize_")
+_PARAMS = ["img", "mean", "std", "to_rgb"]
+
+
+def rebind(originals: dict[str, Any], replacements: dict[str, Any], patch: Callable[[Any, str, Any], None]) -> int:
+    """Call ``patch(module, name, replacement)`` for every loaded module binding an original."""
+    n = 0
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for name, original in originals.items():
+            if namespace.get(name) is original:
+                patch(module, name, replacements[name])
+                n += 1
+    return n
+
+
+class ImNormalize(FeatureImpl):
+    def __init__(self, feature: Any) -> None:
+        super().__init__(feature)
+        self._originals: dict[str, Any] = {}
+        self._wrappers: dict[str, Any] = {}
+        self.fallbacks: dict[str, int] = {}  # reason -> calls sent to upstream (shown in the Summary)
+
+    def detect(self, env: Environment) -> str | None:
+        if not sys.platform.startswith("linux"):
+            return "the kernels are built for Linux only"
+        if env.version("mmcv") is None:
+            return "mmcv is not installed"
+        return None
+
+    def activate(self, ctx: ActivationContext, target: str | None) -> None:
+        module = sys.modules.get(target or "")
+        if module is None:
+            raise NotApplicable(f"{target} is not imported")
+        for name in NAMES:
+            fn = getattr(module, name, None)
+            if not callable(fn):
+                raise NotApplicable(f"{target}.{name} is missing")
+            params = list(inspect.signature(fn).parameters)
+            if params != _PARAMS:
+                raise NotApplicable(f"{target}.{name}{tuple(params)} is not (img, mean, std, to_rgb)")
+            self._originals[name] = fn
+        from loongkit_data.kernels import ops
+
+        config: dict[str, Any] = {"kernel": "built on first call", "fallbacks": self.fallbacks}
+        ctx.set_config(config)
+        record = ctx.record
+        fallbacks = self.fallbacks
+        first = [True]
+
+        def note_kernel() -> None:
+            from loongkit_data import kernels
+
+            first[0] = False
+            config["kernel"] = "compiled" if kernels.failure() is None else f"unavailable: {kernels.failure()}"
+
+        def make(name: str, fast: Callable[..., tuple[Any, str]]) -> Callable[..., Any]:
+            original = self._originals[name]
+
+            def wrapper(img: Any, mean: Any, std: Any, to_rgb: bool = True) -> Any:
+                try:
+                    out, why = fast(img, mean, std, to_rgb)
+                except Exception as exc:  # never break the pipeline: upstream decides
+                    out, why = None, f"kernel error: {type(exc).__name__}"
+                if first[0]:
+                    note_kernel()
+                if out is None:
+                    fallbacks[why] = fallbacks.get(why, 0) + 1
+                    return original(img, mean, std, to_rgb)
+                record.calls += 1  # the Summary's '*': the kernel ran
+                return out
+
+            wrapper.__name__ = original.__name__
+            wrapper.__qualname__ = original.__qualname__
+            wrapper.__doc__ = original.__doc__
+            wrapper.__module__ = original.__module__
+            wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+            wrapper.__loongkit_original__ = original  # type: ignore[attr-defined]
+            return wrapper
+
+        self._wrappers = {"imnormalize": make("imnormalize", ops.imnormalize),
+                          "imnormalize_": make("imnormalize_", ops.imnormalize_)}
+        n = rebind(self._originals, self._wrappers, ctx.patcher.patch)
+        ctx.detail("bindings_patched", n)
+        ctx.log.info("mmcv imnormalize routed to the loongkit kernel", target=target, bindings=n)
+
+    def deactivate(self, ctx: ActivationContext) -> None:
+        ctx.patcher.undo()
+        # Re-exports bound while the package was importing (mmcv.image, mmcv) are not in the
+        # patcher's record: put the originals back wherever a wrapper is still bound.
+        if self._wrappers:
+            rebind(self._wrappers, self._originals, setattr)
+        self._wrappers = {}

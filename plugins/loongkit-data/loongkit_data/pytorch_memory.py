@@ -1,0 +1,263 @@
+"""LOONGKIT_PYTORCH: DataLoader memory, transparently.
+
+* Forked workers: large list attributes of the dataset holding dicts/tuples (mmdet 2.x
+  ``data_infos``, plain torch Dataset subclasses) become a :class:`SerializedList` (one buffer
+  plus offsets) when a multi-process iterator is created with the ``fork`` start method, and
+  ``gc.freeze()`` runs just before the workers fork so their collector leaves the parent's objects
+  (and pages) alone. mmengine's BaseDataset already serializes (``serialize_data``): skipped.
+  A list that user code mutates goes back to a real list (logged) and is never converted again.
+* Every worker (fork, spawn, forkserver) gets the glibc malloc tuning of
+  :data:`loongkit_data.allocator.GLIBC_TUNING` at start (skipped with the reason off glibc).
+* RLIMIT_NOFILE's soft limit is raised to the hard limit: shared-memory tensors travel as fds.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import time
+from typing import Any
+
+from loongkit_core import workers
+from loongkit_core.context import ActivationContext, NotApplicable
+from loongkit_core.kit import FeatureImpl
+from loongkit_data import allocator
+from loongkit_data.serialize import SerializedList
+
+MIN_RECORDS = 1000  # below this a list costs a worker little; not worth a pickle pass
+SAMPLE = 32  # records checked for being dicts/tuples (spread over the list)
+MAX_DEPTH = 4  # wrapper datasets followed (Subset, ConcatDataset, RepeatDataset...)
+
+# What the last worker-start callback applied in this process (tests and the worker's own log).
+worker_state: dict[str, Any] = {}
+
+
+def start_method(loader: Any) -> str:
+    context = loader.multiprocessing_context
+    if context is None:
+        import torch.multiprocessing as tmp
+
+        return tmp.get_start_method(allow_none=False)
+    return context.get_start_method()
+
+
+def mmengine_serialized(obj: Any) -> bool:
+    """An mmengine BaseDataset that packs its own data_list (serialize_data=True)."""
+    return bool(getattr(obj, "serialize_data", False)) and hasattr(obj, "data_address")
+
+
+def record_list(value: Any) -> bool:
+    """A plain list of at least MIN_RECORDS dicts/tuples (checked on a spread sample)."""
+    if type(value) is not list or len(value) < MIN_RECORDS:
+        return False
+    step = max(1, len(value) // SAMPLE)
+    return all(isinstance(value[i], (dict, tuple)) for i in [*range(0, len(value), step), len(value) - 1])
+
+
+def child_datasets(obj: Any) -> list[Any]:
+    found = []
+    inner = getattr(obj, "__dict__", {})
+    if "dataset" in inner and hasattr(inner["dataset"], "__getitem__"):
+        found.append(inner["dataset"])
+    if "datasets" in inner and isinstance(inner["datasets"], (list, tuple)):
+        found.extend(d for d in inner["datasets"] if hasattr(d, "__getitem__"))
+    return found
+
+
+class PytorchMemory(FeatureImpl):
+    def __init__(self, feature: Any) -> None:
+        super().__init__(feature)
+        self.ctx: ActivationContext | None = None
+        self.mutated: set[tuple[int, str]] = set()  # (id(dataset), attribute): never convert again
+        self.serialized: dict[str, dict[str, int]] = {}
+        self.skipped: dict[str, str] = {}
+        self.iterators = 0
+        self.config: dict[str, Any] = {}
+        self.enabled = True  # the worker callback cannot be unregistered; deactivate turns it off
+
+    # -- activation ----------------------------------------------------------------------------
+    def activate(self, ctx: ActivationContext, target: str | None) -> None:
+        self.ctx = ctx
+        self.enabled = True
+        reason = allocator.glibc_reason()
+        self.config = {"worker_malloc": {k: allocator._human(v) if k != "arena_max" else v
+                                         for k, v in allocator.GLIBC_TUNING.items()}
+                       if reason is None else f"skipped: {reason}",
+                       "serialize": f"fork workers, lists of >= {MIN_RECORDS} dicts/tuples"}
+        if reason is not None:
+            ctx.log.info("worker malloc tuning skipped", reason=reason)
+        workers.on_worker_start(self._worker_start, owner=self.feature.name)
+        if ctx.env.process.role != "main":
+            ctx.set_config(self.config)
+            return  # a spawned worker: the callback above is all it needs
+        try:
+            changed = allocator.raise_nofile()
+        except (OSError, ValueError) as exc:
+            changed = None
+            ctx.log.warning("cannot raise RLIMIT_NOFILE", error=str(exc))
+            self.config["nofile"] = f"unchanged ({exc})"
+        else:
+            import resource
+
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            if changed is not None:
+                self.config["nofile"] = f"{changed[0]}->{changed[1]}"
+                ctx.log.info("raised RLIMIT_NOFILE soft limit", before=changed[0], after=changed[1], hard=changed[2])
+                ctx.mark_active()
+            else:
+                self.config["nofile"] = f"{soft} (already the hard limit)"
+                ctx.log.info("RLIMIT_NOFILE soft limit already at the hard limit", soft=soft, hard=hard)
+        self._patch_iterator(ctx)
+        ctx.set_config(self.config)
+
+    def _patch_iterator(self, ctx: ActivationContext) -> None:
+        from torch.utils.data import dataloader
+
+        cls = getattr(dataloader, "_MultiProcessingDataLoaderIter", None)
+        if cls is None:
+            raise NotApplicable("torch.utils.data.dataloader has no _MultiProcessingDataLoaderIter")
+        original = cls.__init__
+        if list(inspect.signature(original).parameters) != ["self", "loader"]:
+            raise NotApplicable(f"_MultiProcessingDataLoaderIter.__init__{inspect.signature(original)} "
+                                "is not (self, loader)")
+        feature = self
+
+        def __init__(it: Any, loader: Any) -> None:
+            frozen = False
+            try:
+                frozen = feature.before_workers(loader)
+            except Exception as exc:  # never break the user's DataLoader
+                ctx.log.warning("DataLoader memory preparation failed; workers start unchanged", error=repr(exc))
+            try:
+                original(it, loader)
+            finally:
+                if frozen:
+                    # The workers have forked with the parent's objects frozen (their collector
+                    # will not touch them); the parent collects them again as before.
+                    gc.unfreeze()
+
+        __init__.__wrapped__ = original  # type: ignore[attr-defined]
+        ctx.patcher.patch(cls, "__init__", __init__)
+
+    # -- before the workers start ----------------------------------------------------------------
+    def before_workers(self, loader: Any) -> bool:
+        """Prepare the dataset for the workers about to start; True when gc was frozen."""
+        ctx = self.ctx
+        assert ctx is not None
+        self.iterators += 1
+        if allocator.glibc_reason() is None:
+            ctx.mark_active()  # these workers get the malloc tuning
+        method = start_method(loader)
+        if method != "fork":
+            self._skip("dataset", f"start method {method}: workers get a pickled copy, no copy-on-read")
+            return False
+        live = self.convert(loader.dataset)
+        if live:
+            gc.freeze()
+            ctx.mark_active()
+            return True
+        return False
+
+    def convert(self, dataset: Any) -> int:
+        """Serialize the record lists of ``dataset`` and its wrapped datasets; how many are serialized."""
+        live = 0
+        seen: set[int] = set()
+        stack = [(dataset, 0, type(dataset).__name__)]
+        while stack:
+            obj, depth, path = stack.pop()
+            if id(obj) in seen or depth > MAX_DEPTH:
+                continue
+            seen.add(id(obj))
+            if mmengine_serialized(obj):
+                self._skip(path, "mmengine BaseDataset serializes its data_list itself (serialize_data=True)")
+            else:
+                live += self._convert_attributes(obj, path)
+            for i, child in enumerate(child_datasets(obj)):
+                stack.append((child, depth + 1, f"{path}.{type(child).__name__}[{i}]"))
+        return live
+
+    def _convert_attributes(self, obj: Any, path: str) -> int:
+        live = 0
+        attributes = getattr(obj, "__dict__", None)
+        if not isinstance(attributes, dict):
+            return 0
+        for name, value in list(attributes.items()):
+            where = f"{path}.{name}"
+            if isinstance(value, SerializedList) and not value.materialised:
+                live += 1
+                continue
+            if not record_list(value):
+                continue
+            if (id(obj), name) in self.mutated:
+                self._skip(where, "mutated by user code")
+                continue
+            start = time.perf_counter()
+            try:
+                proxy = SerializedList(value, owner=obj, attr=name, on_mutate=self._mutation_callback(obj, name, where))
+            except Exception as exc:  # unpicklable records: keep the list
+                self._skip(where, f"records not picklable ({type(exc).__name__}: {exc})")
+                continue
+            try:
+                setattr(obj, name, proxy)
+            except Exception as exc:
+                self._skip(where, f"cannot set the attribute ({type(exc).__name__})")
+                continue
+            live += 1
+            self.serialized[where] = {"records": len(proxy), "bytes": proxy.nbytes}
+            assert self.ctx is not None
+            self.ctx.detail("serialized", dict(self.serialized))
+            self.ctx.log.info("serialized a dataset list for forked workers", attribute=where, records=len(proxy),
+                              bytes=proxy.nbytes, seconds=round(time.perf_counter() - start, 3))
+        return live
+
+    def _mutation_callback(self, obj: Any, name: str, where: str) -> Any:
+        def mutated(proxy: SerializedList, operation: str) -> None:
+            self.mutated.add((id(obj), name))
+            self.serialized.pop(where, None)
+            self._skip(where, f"mutated by user code ({operation}); turned back into a list")
+            if self.ctx is not None:
+                self.ctx.detail("serialized", dict(self.serialized))
+                self.ctx.log.warning("dataset list mutated: turned back into a list, not serialized again",
+                                     attribute=where, operation=operation)
+
+        return mutated
+
+    def _skip(self, where: str, reason: str) -> None:
+        if self.skipped.get(where) != reason:
+            self.skipped[where] = reason
+            if self.ctx is not None:
+                self.ctx.detail("not_serialized", dict(self.skipped))
+                self.ctx.log.info("dataset list not serialized", attribute=where, reason=reason)
+
+    # -- in each worker ----------------------------------------------------------------------------
+    def _worker_start(self, worker_id: int) -> None:
+        if not self.enabled:
+            return
+        result = allocator.apply_glibc()
+        worker_state.clear()
+        worker_state.update(worker_id=worker_id, malloc=result.to_config())
+        if self.ctx is not None:
+            self.ctx.mark_active()
+            if result.skipped:
+                self.ctx.log.info("worker malloc tuning skipped", worker=worker_id, reason=result.skipped)
+            else:
+                self.ctx.log.debug("worker malloc tuned", worker=worker_id, **result.to_config())
+
+    def deactivate(self, ctx: ActivationContext) -> None:
+        self.enabled = False
+        super().deactivate(ctx)
+
+    def summary_lines(self) -> list[str]:
+        import resource
+
+        lines = []
+        if self.serialized:
+            total = sum(v["records"] for v in self.serialized.values())
+            size = sum(v["bytes"] for v in self.serialized.values()) / 2**20
+            lines.append(f"pytorch: serialized {total:,} dataset records ({size:.1f} MiB buffer) for forked workers")
+        if self.iterators:
+            faults = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
+            lines.append(f"pytorch: {self.iterators} multi-worker DataLoader iterator(s); minor page faults of "
+                         f"reaped child processes (getrusage RUSAGE_CHILDREN): {faults:,}. Faults saved by the "
+                         "malloc tuning need a run without it: benchmarks/allocator.py")
+        return lines
