@@ -12,7 +12,7 @@ import sys
 # Variables that configure the core but enable nothing by themselves.
 _PASSIVE = frozenset({
     "LOONGKIT_LOGLEVEL", "LOONGKIT_LOGDIR", "LOONGKIT_STRICT", "LOONGKIT_SUMMARY_JSON",
-    "LOONGKIT_SYSFS_ROOT", "LOONGKIT_ACTIVATION_TIMEOUT", "LOONGKIT_DISABLE_PLUGINS",
+    "LOONGKIT_SYSFS_ROOT", "LOONGKIT_ACTIVATION_TIMEOUT", "LOONGKIT_DISABLE_PLUGINS", "LOONGKIT_KERNEL_CACHE",
 })
 _OFF = frozenset({"", "0", "off", "no"})
 

@@ -15,7 +15,13 @@ from dataclasses import dataclass
 MAIN = "main"  # a training process (one per rank under torchrun)
 WORKER = "worker"  # a multiprocessing child: DataLoader workers (fork, spawn, forkserver) and the forkserver
 LAUNCHER = "launcher"  # torchrun's elastic agent or loongkit-run itself: starts others, trains nothing
-HELPER = "helper"  # forkserver, resource tracker, compile workers, other tools
+HELPER = "helper"  # resource tracker, compile workers: loongkit does not boot there
+SUBPROCESS = "subprocess"  # a Python program started by a main process (evaluation script, tool)
+
+# Set by a booted main process for its children: "<pid>:<rank>:<local_rank>". A child Python with the
+# same ranks is that main's subprocess (its Summary goes to its log only, so stdout shows one Summary);
+# torchrun ranks started below a main process have ranks of their own and stay mains.
+MAIN_MARKER = "_LOONGKIT_MAIN"
 
 
 def _int_env(name: str) -> int | None:
@@ -45,7 +51,10 @@ class ProcessInfo:
 
     @property
     def writes_summary(self) -> bool:
-        return self.role == MAIN
+        return self.role in (MAIN, SUBPROCESS)
+
+    def marker(self) -> str:
+        return f"{self.pid}:{self.rank}:{self.local_rank}"
 
     def to_json(self) -> dict[str, object]:
         return dict(self.__dict__)
@@ -79,7 +88,7 @@ def _hostname() -> str:
 
 def detect() -> ProcessInfo:
     argv = list(getattr(sys, "orig_argv", sys.argv))
-    return ProcessInfo(
+    info = ProcessInfo(
         role=classify(argv),
         pid=os.getpid(),
         host=_hostname(),
@@ -88,6 +97,11 @@ def detect() -> ProcessInfo:
         world_size=_int_env("WORLD_SIZE"),
         local_world_size=_int_env("LOCAL_WORLD_SIZE"),
     )
+    parent = os.environ.get(MAIN_MARKER, "")
+    pid, _, ranks = parent.partition(":")
+    if info.role == MAIN and pid and pid != str(info.pid) and ranks == f"{info.rank}:{info.local_rank}":
+        info.role = SUBPROCESS
+    return info
 
 
 def mark_forked_child(info: ProcessInfo) -> None:

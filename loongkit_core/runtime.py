@@ -339,6 +339,8 @@ class Runtime:
             log.shutdown()
 
     def install_exit_handlers(self) -> None:
+        if self.process.role == process_mod.MAIN:
+            os.environ[process_mod.MAIN_MARKER] = self.process.marker()
         atexit.register(self.finish)
         try:
             os.register_at_fork(after_in_child=self._after_fork)

@@ -34,6 +34,7 @@ CORE_VARIABLES = (
     "LOONGKIT_SYSFS_ROOT",
     "LOONGKIT_ACTIVATION_TIMEOUT",
     "LOONGKIT_DISABLE_PLUGINS",
+    "LOONGKIT_KERNEL_CACHE",  # where plugins cache compiled kernels (read by the plugins themselves)
 )
 
 

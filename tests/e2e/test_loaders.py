@@ -179,3 +179,13 @@ def test_prelude_path_commands() -> None:
     loongkit = shutil.which("loongkit") or str(Path(sys.executable).parent / "loongkit")
     out = subprocess.run([loongkit, "prelude-path"], capture_output=True, text=True).stdout
     assert out.strip() == prelude_dir()
+
+
+def test_python_subprocess_of_main_does_not_print_a_second_summary(site: Path, run_loongkit) -> None:  # type: ignore[no-untyped-def]
+    code = ("import subprocess, sys\n" + USE + "\n"
+            "subprocess.run([sys.executable, '-c', 'import demo_target; print(\"child\", demo_target.compute(1))'])")
+    r = run_loongkit(code, _env(site, LOONGKIT_DEMO_DOUBLE="1"))
+    assert r.returncode == 0, r.stderr
+    assert "result 4" in r.stdout and "child 4" in r.stdout  # features apply in the child too
+    assert r.summaries_printed == 1
+    assert sum("Loongkit Feature Summary" in p.read_text() for p in r.logdir.glob("*.log")) == 2
