@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=1)
     args = parser.parse_args()
 
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -88,6 +89,7 @@ def main() -> None:
     step = 0
     start = time.perf_counter()
     for images, labels in loader:
+        data_time = time.perf_counter() - start
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         loss = F.cross_entropy(model(images), labels)
         optimizer.zero_grad(set_to_none=True)
@@ -96,8 +98,9 @@ def main() -> None:
         now = time.perf_counter()
         times.append(now - start)
         start = now
-        if rank == 0 and step % 10 == 0:
-            print(f"step {step:4d} loss {loss.item():.4f}", flush=True)
+        if rank == 0 and step % args.log_every == 0:
+            print(f"step {step:4d} loss: {loss.item():.6f} time: {times[-1]:.4f} data_time: {data_time:.4f}",
+                  flush=True)
         step += 1
         if step >= args.steps:
             break

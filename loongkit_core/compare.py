@@ -1,0 +1,255 @@
+"""``loongkit compare -- <command>``: the same training command without and with loongkit, one table.
+
+The command runs twice with the same environment and seed: once bare (no LOONGKIT_* variables, no
+prelude), once under ``loongkit-run`` with ``LOONGKIT_ALL=<level>``. Per-step figures are read from
+the command's own output (``loss``, ``time``, ``data_time`` as mmengine, HuggingFace and most
+scripts print them: ``loss: 0.51``, ``loss=0.51``, ``loss 0.51``); peak RSS comes from the kernel
+(``wait4``). The table says whether the first N losses match (bitwise, or the largest relative
+difference), then shows loongkit's Feature Summary. ``--json`` and ``--png`` write the same data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loongkit_core._boot import PRELUDE_DIR, _same_dir
+
+NUMBER = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"
+PATTERNS = {
+    "loss": re.compile(rf"(?<![\w.])loss['\"]?\s*[:=]?\s*{NUMBER}"),
+    "time": re.compile(rf"(?<![\w.])(?:step_)?time['\"]?\s*[:=]\s*{NUMBER}"),
+    "data_time": re.compile(rf"(?<![\w.])data_time['\"]?\s*[:=]\s*{NUMBER}"),
+}
+
+
+@dataclass
+class RunStats:
+    label: str
+    returncode: int = 0
+    wall_s: float = 0.0
+    peak_rss_bytes: int = 0
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    data_times: list[float] = field(default_factory=list)
+    output: str = ""
+
+    def median(self, values: list[float]) -> float | None:
+        warm = values[len(values) // 5:] or values  # skip warm-up (compilation, first batches)
+        return statistics.median(warm) if warm else None
+
+
+def parse_metrics(text: str) -> dict[str, list[float]]:
+    """Per-line metrics from a training log; one value per line per metric."""
+    out: dict[str, list[float]] = {k: [] for k in PATTERNS}
+    for line in text.splitlines():
+        if "Feature Summary" in line:
+            break
+        for key, pattern in PATTERNS.items():
+            match = pattern.search(line)
+            if match:
+                try:
+                    out[key].append(float(match.group(1)))
+                except ValueError:
+                    pass
+    return out
+
+
+def _environ(base: dict[str, str], loongkit: bool, level: int, summary_json: str) -> dict[str, str]:
+    env = {k: v for k, v in base.items() if not k.startswith("LOONGKIT_")}
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and not _same_dir(p, PRELUDE_DIR)]
+    if loongkit:  # loongkit-run puts the prelude on PYTHONPATH itself
+        env["LOONGKIT_ALL"] = str(level)
+        env["LOONGKIT_SUMMARY_JSON"] = summary_json
+        env.update({k: v for k, v in base.items() if k.startswith("LOONGKIT_") and k != "LOONGKIT_ALL"})
+    if parts:
+        env["PYTHONPATH"] = os.pathsep.join(parts)
+    else:
+        env.pop("PYTHONPATH", None)
+    return env
+
+
+class _Spinner:
+    """A one-line progress indicator on stderr for long phases (only on a terminal)."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._spin, daemon=True)
+
+    def _spin(self) -> None:
+        start = time.monotonic()
+        while not self._stop.wait(0.5):
+            sys.stderr.write(f"\r{self.label} ... {time.monotonic() - start:5.0f} s")
+            sys.stderr.flush()
+
+    def __enter__(self) -> _Spinner:
+        if sys.stderr.isatty():
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+            sys.stderr.write("\r" + " " * (len(self.label) + 12) + "\r")
+
+
+def run_once(command: list[str], env: dict[str, str], label: str, echo: bool) -> RunStats:
+    stats = RunStats(label)
+    start = time.perf_counter()
+    with _Spinner(f"running {label}"):
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert proc.stdout is not None
+        chunks = []
+        for line in proc.stdout:
+            chunks.append(line)
+            if echo:
+                sys.stdout.write(f"[{label}] {line}")
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    stats.wall_s = time.perf_counter() - start
+    stats.returncode = proc.returncode
+    # ru_maxrss of wait4 is the child's own peak (KiB); descendants (workers, ranks) add their own.
+    stats.peak_rss_bytes = max(usage.ru_maxrss, 0) * 1024
+    stats.output = "".join(chunks)
+    metrics = parse_metrics(stats.output)
+    stats.losses, stats.step_times, stats.data_times = metrics["loss"], metrics["time"], metrics["data_time"]
+    return stats
+
+
+def compare_losses(a: list[float], b: list[float], n: int) -> dict[str, Any]:
+    pairs = list(zip(a[:n], b[:n], strict=False))
+    if not pairs:
+        return {"compared": 0, "bitwise": False, "max_rel_diff": None}
+    rel = [abs(x - y) / max(abs(x), abs(y), 1e-12) for x, y in pairs]
+    return {"compared": len(pairs), "bitwise": all(x == y for x, y in pairs), "max_rel_diff": max(rel)}
+
+
+def render_table(base: RunStats, ours: RunStats, losses: dict[str, Any], tolerance: float) -> str:
+    def fmt(value: float | None, scale: float = 1.0, unit: str = "") -> str:
+        return "n/a" if value is None else f"{value * scale:.2f}{unit}"
+
+    def ratio(b: float | None, o: float | None) -> str:
+        return "n/a" if not b or not o else f"{b / o:.2f}x"
+
+    rows = [
+        ("wall time", fmt(base.wall_s, unit=" s"), fmt(ours.wall_s, unit=" s"), ratio(base.wall_s, ours.wall_s)),
+        ("step time (median, warm)", fmt(base.median(base.step_times), 1000, " ms"),
+         fmt(ours.median(ours.step_times), 1000, " ms"),
+         ratio(base.median(base.step_times), ours.median(ours.step_times))),
+        ("data time (median, warm)", fmt(base.median(base.data_times), 1000, " ms"),
+         fmt(ours.median(ours.data_times), 1000, " ms"),
+         ratio(base.median(base.data_times), ours.median(ours.data_times))),
+        ("peak RSS (main process)", fmt(base.peak_rss_bytes, 2**-20, " MiB"), fmt(ours.peak_rss_bytes, 2**-20, " MiB"),
+         ratio(base.peak_rss_bytes, ours.peak_rss_bytes)),
+        ("exit code", str(base.returncode), str(ours.returncode), ""),
+    ]
+    width = max(len(r[0]) for r in rows) + 2
+    lines = ["=" * 72, f"{'loongkit compare':<{width}}{'baseline':>16}{'loongkit':>16}{'speed-up':>12}", "-" * 72]
+    lines += [f"{name:<{width}}{b:>16}{o:>16}{r:>12}" for name, b, o, r in rows]
+    lines.append("-" * 72)
+    n = losses["compared"]
+    if n:
+        verdict = ("bitwise identical" if losses["bitwise"] else
+                   f"max relative difference {losses['max_rel_diff']:.2e} "
+                   f"({'within' if losses['max_rel_diff'] <= tolerance else 'OUTSIDE'} tolerance {tolerance:g})")
+        lines.append(f"first {n} losses: {verdict}")
+        lines.append("  baseline: " + " ".join(f"{x:.4f}" for x in base.losses[:min(n, 8)]))
+        lines.append("  loongkit: " + " ".join(f"{x:.4f}" for x in ours.losses[:min(n, 8)]))
+    else:
+        lines.append("no 'loss' values found in the output: nothing to compare")
+    lines.append("=" * 72)
+    return "\n".join(lines) + "\n"
+
+
+def write_png(path: str, base: RunStats, ours: RunStats) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed: no plot (pip install matplotlib)"
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for stats, style in ((base, "-"), (ours, "--")):
+        ax1.plot(stats.losses, style, label=stats.label)
+        ax2.plot([t * 1000 for t in stats.step_times], style, label=stats.label)
+    ax1.set(title="loss", xlabel="logged step")
+    ax2.set(title="step time (ms)", xlabel="logged step")
+    ax1.legend()
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return None
+
+
+def main(args: argparse.Namespace) -> int:
+    command = list(args.cmd)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        sys.stderr.write("usage: loongkit compare [options] -- <training command>\n")
+        return 2
+    tmp = tempfile.mkdtemp(prefix="loongkit-compare-")
+    summary_json = os.path.join(tmp, "summary.json")
+    base_env = dict(os.environ)
+    for item in args.env or []:
+        key, _, value = item.partition("=")
+        base_env[key] = value
+    base = run_once(command, _environ(base_env, False, args.level, summary_json), "baseline", args.echo)
+    launcher = shutil.which("loongkit-run") or os.path.join(os.path.dirname(sys.executable), "loongkit-run")
+    ours = run_once([launcher, *command], _environ(base_env, True, args.level, summary_json), "loongkit",
+                    args.echo)
+    losses = compare_losses(base.losses, ours.losses, args.losses)
+    table = render_table(base, ours, losses, args.tolerance)
+    sys.stdout.write(table)
+    summary = json.loads(Path(summary_json).read_text()) if os.path.exists(summary_json) else None
+    start = ours.output.find("=" * 28 + " Loongkit Feature Summary")
+    if start >= 0:
+        sys.stdout.write(ours.output[start:])
+    else:
+        sys.stdout.write("(the loongkit run printed no Feature Summary)\n")
+    if base.returncode or ours.returncode:
+        tail = (ours if ours.returncode else base).output[-3000:]
+        sys.stdout.write(f"--- output tail of the failing run ---\n{tail}\n")
+    if args.json:
+        payload = {"command": command, "level": args.level, "losses": losses,
+                   "baseline": {k: v for k, v in asdict(base).items() if k != "output"},
+                   "loongkit": {k: v for k, v in asdict(ours).items() if k != "output"},
+                   "summary": summary}
+        Path(args.json).write_text(json.dumps(payload, indent=2))
+    if args.png:
+        note = write_png(args.png, base, ours)
+        if note:
+            sys.stdout.write(note + "\n")
+    ok = base.returncode == 0 and ours.returncode == 0
+    matched = losses["compared"] == 0 or losses["bitwise"] or losses["max_rel_diff"] <= args.tolerance
+    return 0 if ok and (matched or not args.strict_losses) else 1
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("compare", help="run a training command without and with loongkit; one comparison table")
+    p.add_argument("--level", type=int, default=1, choices=(1, 2, 3), help="LOONGKIT_ALL for the loongkit run")
+    p.add_argument("--losses", type=int, default=20, help="how many first losses to compare")
+    p.add_argument("--tolerance", type=float, default=1e-3, help="max relative loss difference counted as a match")
+    p.add_argument("--strict-losses", action="store_true", help="exit 1 when the losses do not match")
+    p.add_argument("--env", action="append", help="KEY=VALUE for both runs (repeatable)")
+    p.add_argument("--json", help="write the comparison as JSON here")
+    p.add_argument("--png", help="write a plot of losses and step times here (needs matplotlib)")
+    p.add_argument("--echo", action="store_true", help="stream both runs' output, prefixed")
+    p.add_argument("cmd", nargs=argparse.REMAINDER)
+    p.set_defaults(func=main)

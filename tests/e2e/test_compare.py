@@ -1,0 +1,61 @@
+"""`loongkit compare`: both runs, parsed metrics, loss match, the Summary, JSON."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from loongkit_core.compare import compare_losses, parse_metrics
+from loongkit_core.testing import clean_environ
+
+LOONGKIT = shutil.which("loongkit") or str(Path(sys.executable).parent / "loongkit")
+
+
+def test_parse_common_log_formats() -> None:
+    text = "\n".join([
+        "Epoch(train) [1][10/50]  lr: 1.0e-02  eta: 0:01:00  time: 0.2500  data_time: 0.0100  loss: 1.2345",
+        "{'loss': 0.75, 'grad_norm': 1.0, 'learning_rate': 5e-05, 'epoch': 0.1}",
+        "step    3 loss: 0.500000 time: 0.0100 data_time: 0.0010",
+        "val_loss: 9.0",  # not the training loss
+        "no numbers here",
+    ])
+    metrics = parse_metrics(text)
+    assert metrics["loss"] == [1.2345, 0.75, 0.5]
+    assert metrics["time"] == [0.25, 0.01] and metrics["data_time"] == [0.01, 0.001]
+
+
+def test_compare_losses() -> None:
+    assert compare_losses([1.0, 2.0], [1.0, 2.0], 5) == {"compared": 2, "bitwise": True, "max_rel_diff": 0.0}
+    result = compare_losses([1.0, 2.0], [1.0, 2.002], 5)
+    assert not result["bitwise"] and abs(result["max_rel_diff"] - 0.002 / 2.002) < 1e-12
+
+
+SCRIPT = """
+import torch
+torch.manual_seed(0)
+w = torch.zeros(4, requires_grad=True)
+opt = torch.optim.SGD([w], lr=0.1)
+for step in range(6):
+    loss = ((w - torch.arange(4.0)) ** 2).sum()
+    opt.zero_grad(); loss.backward(); opt.step()
+    print(f"step {step} loss: {loss.item():.6f} time: 0.001")
+"""
+
+
+def test_compare_end_to_end(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "cmp.json"
+    env = clean_environ()
+    env["LOONGKIT_LOGDIR"] = str(tmp_path / "logs")
+    r = subprocess.run([LOONGKIT, "compare", "--json", str(out), "--", sys.executable, str(script)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "first 6 losses: bitwise identical" in r.stdout
+    assert "Loongkit Feature Summary" in r.stdout and "allow_tf32" in r.stdout
+    data = json.loads(out.read_text())
+    assert data["losses"]["bitwise"] and len(data["baseline"]["losses"]) == 6
+    assert data["summary"]["features"]  # the loongkit run's JSON Summary
