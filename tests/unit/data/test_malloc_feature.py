@@ -1,0 +1,157 @@
+"""LOONGKIT_MALLOC: glibc tuning in the training process; jemalloc/tcmalloc preloaded for children."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from loongkit_data import allocator
+from loongkit_data.malloc import Malloc, MallocOptions
+from loongkit_data.plugin import plugin
+
+from loongkit_core import log
+from loongkit_core import process as process_mod
+from loongkit_core.context import ActivationContext, Environment, NotApplicable
+from loongkit_core.feature import FeatureRecord
+from loongkit_core.importhooks import when_imported
+from loongkit_core.settings import CoreSettings, load_settings
+
+FEATURE = next(f for f in plugin.loongkit_declare_features() if f.name == "malloc")
+
+
+def forked(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` in a forked child: mallopt and os.environ changes must not leak into pytest."""
+    parent, child = multiprocessing.get_context("fork").Pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            child.send(("ok", fn()))
+        except BaseException as exc:
+            child.send(("error", f"{type(exc).__name__}: {exc}"))
+        os._exit(0)
+    status, value = parent.recv()
+    os.waitpid(pid, 0)
+    if status == "error":
+        raise AssertionError(value)
+    return value
+
+
+def activate(environ: dict[str, str]) -> tuple[Malloc, ActivationContext]:
+    impl = Malloc(FEATURE)
+    record = FeatureRecord(FEATURE)
+    record.config, _ = impl.configure(Environment(CoreSettings(), process_mod.detect(), environ), None)
+    info = process_mod.detect()
+    info.role = "main"
+    ctx = ActivationContext(record, Environment(CoreSettings(), info, environ), log.get_logger("test"), when_imported)
+    impl.activate(ctx, None)
+    return impl, ctx
+
+
+@pytest.mark.parametrize(("value", "expected", "warned"), [
+    ("glibc", "glibc", False), ("JeMalloc", "jemalloc", False), (" tcmalloc ", "tcmalloc", False),
+    ("mimalloc", "glibc", True), ("", "glibc", True), ("1", "glibc", True),
+])
+def test_allocator_option(value: str, expected: str, warned: bool) -> None:
+    options, warnings = load_settings(MallocOptions, environ={"LOONGKIT_MALLOC_ALLOCATOR": value})
+    assert options.allocator == expected
+    assert bool(warnings) == warned
+    if warned:
+        assert "LOONGKIT_MALLOC_ALLOCATOR" in warnings[0] and "default 'glibc'" in warnings[0]
+
+
+def test_glibc_tuning_in_this_process() -> None:
+    def run() -> Any:
+        impl, ctx = activate({})
+        return ctx.record.active, ctx.record.config, impl.probe, impl.summary_lines()
+
+    active, config, probe, lines = forked(run)
+    assert active
+    assert config["allocator"] == "glibc" and config["mmap_threshold"] == "256MiB"
+    default, tuned = probe
+    assert default > 10000 and tuned < 2000  # the probe measured the difference in that very process
+    assert "minor faults" in lines[0]
+
+
+def test_missing_library_falls_back_to_glibc(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(allocator, "find_library", lambda kind, *a: None)
+    before = os.environ.get("LD_PRELOAD")
+
+    def run() -> Any:
+        _, ctx = activate({"LOONGKIT_MALLOC_ALLOCATOR": "tcmalloc"})
+        return ctx.record.config, os.environ.get("LD_PRELOAD")
+
+    config, preload = forked(run)
+    assert config["requested"] == "tcmalloc (not installed)"
+    assert config["allocator"] == "glibc" and preload == before
+
+
+def test_installed_library_is_exported_for_children(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(allocator, "find_library", lambda kind, *a: f"/opt/lib/lib{kind}.so.2")
+    monkeypatch.setenv("LD_PRELOAD", "/opt/other.so")
+    monkeypatch.delenv("MALLOC_CONF", raising=False)
+    def run() -> Any:
+        _, ctx = activate({"LOONGKIT_MALLOC_ALLOCATOR": "jemalloc"})
+        return os.environ["LD_PRELOAD"], os.environ["MALLOC_CONF"], ctx.record.config, ctx.record.reason
+
+    preload, conf, config, reason = forked(run)
+    assert preload == "/opt/lib/libjemalloc.so.2:/opt/other.so"
+    assert conf == allocator.JEMALLOC_CONF
+    assert config["children"]["allocator"] == "jemalloc"
+    assert "child processes" in reason
+
+
+def test_non_glibc_is_not_applicable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(allocator, "libc_name", lambda: ("musl", ""))
+    with pytest.raises(NotApplicable, match="musl"):
+        activate({})
+    monkeypatch.setattr(allocator, "libc_name", lambda: ("glibc", "2.36"))
+    monkeypatch.setattr(allocator, "_mallopt", lambda: None)
+    with pytest.raises(NotApplicable, match="mallopt"):
+        activate({})
+
+
+def test_libc_detection_here() -> None:
+    assert allocator.libc_name()[0] == "glibc" and allocator.glibc_reason() is None
+
+
+def test_end_to_end_row_starred(run_loongkit: Any) -> None:
+    result = run_loongkit("print('ok')", env={"LOONGKIT_MALLOC": "1", "LOONGKIT_MALLOC_ALLOCATOR": "nonsense",
+                                              "LOONGKIT_LOGLEVEL": "info"})
+    assert result.returncode == 0, result.stderr
+    row = result.feature("malloc")
+    assert row["active"] and row["config"]["allocator"] == "glibc"
+    assert "malloc                         *" in result.stdout
+    assert "a repeated 64 MiB temporary costs" in result.stdout
+    assert "LOONGKIT_MALLOC_ALLOCATOR='nonsense' is invalid" in result.logs()
+
+
+@pytest.mark.skipif(allocator.find_library("jemalloc") is None, reason="libjemalloc2 not installed")
+def test_end_to_end_jemalloc_reaches_child_processes(run_loongkit: Any) -> None:
+    code = ("import subprocess, sys\n"
+            "out = subprocess.run([sys.executable, '-c', 'print(\"libjemalloc\" in open(\"/proc/self/maps\").read())'],"
+            " capture_output=True, text=True).stdout.splitlines()[0]\n"
+            "print('CHILD', out, 'SELF', 'libjemalloc' in open('/proc/self/maps').read())\n")
+    result = run_loongkit(code, env={"LOONGKIT_MALLOC": "1", "LOONGKIT_MALLOC_ALLOCATOR": "jemalloc"})
+    assert result.returncode == 0, result.stderr
+    assert "CHILD True SELF False" in result.stdout
+    assert result.feature("malloc")["config"]["children"]["allocator"] == "jemalloc"
+    # A process started with the library preloaded reports it and leaves glibc alone.
+    env = {"LOONGKIT_MALLOC": "1", "LOONGKIT_MALLOC_ALLOCATOR": "jemalloc",
+           "LD_PRELOAD": allocator.find_library("jemalloc") or ""}
+    again = run_loongkit("print('ok')", env=env)
+    row = again.feature("malloc")
+    assert row["active"] and row["config"] == {"allocator": "jemalloc", "preloaded": True, "requested": "jemalloc"}
+
+
+def test_cli_prints_the_preload_variables(run_loongkit: Any) -> None:
+    if allocator.find_library("tcmalloc") is None:
+        pytest.skip("libtcmalloc-minimal4 not installed")
+    result = run_loongkit(argv=[sys.executable, "-m", "loongkit_core.cli", "malloc-env", "tcmalloc"], prelude=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().startswith("LD_PRELOAD=") and "tcmalloc" in result.stdout
+    assert json.dumps(result.stdout)  # plain text, one line
