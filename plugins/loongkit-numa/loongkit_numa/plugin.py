@@ -66,10 +66,11 @@ plugin.add(
         category=Category.RESOURCE,
         description="Warn when threads, data workers or compile threads exceed the node's CPU budget.",
         requires=("torch>=2.1.0",),
+        targets=("torch", "torch._inductor.config"),
         options=("LOONGKIT_CONFIG_GUARDS_APPLY_FIX",),
-        implemented=False,
         plugin_version=__version__,
     ),
+    impl="loongkit_numa.guards:ConfigGuards",
 )
 plugin.add(
     Feature(
@@ -79,7 +80,7 @@ plugin.add(
         category=Category.DATA,
         description="Limit page cache on the container's root memcg to curb fragmentation jitter.",
         options=("LOONGKIT_PAGE_CACHE_LIMIT_SIZE", "LOONGKIT_PAGE_CACHE_LIMIT_SYNC"),
-        implemented=False,
         plugin_version=__version__,
     ),
+    impl="loongkit_numa.pagecache:PageCacheLimit",
 )
