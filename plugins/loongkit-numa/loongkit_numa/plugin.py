@@ -54,9 +54,10 @@ plugin.add(
         category=Category.RESOURCE,
         description="Put training and data processes into per-rank child cgroups following the NUMA plan.",
         disables=("numa_affinity",),
-        implemented=False,
+        options=(*_NUMA_OPTIONS, "LOONGKIT_SUBCGROUPS_CGROUP_ROOT"),
         plugin_version=__version__,
     ),
+    impl="loongkit_numa.subcgroups:Subcgroups",
 )
 plugin.add(
     Feature(

@@ -1,0 +1,8 @@
+"""Put this directory's helper module on the import path for the sub-cgroups tests."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
