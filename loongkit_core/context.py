@@ -62,12 +62,14 @@ class ActivationContext:
     """Handed to ``loongkit_activate``: where a feature records what it did and that it ran."""
 
     def __init__(self, record: FeatureRecord, env: Environment, logger: Any,
-                 on_import: Callable[[str, Callable[[Any], None]], None]) -> None:
+                 on_import: Callable[[str, Callable[[Any], None]], None],
+                 at_exit: Callable[[FeatureRecord, Callable[[], None]], None] | None = None) -> None:
         self.record = record
         self.env = env
         self.log = logger
         self.patcher = Patcher()
         self._on_import = on_import
+        self._at_exit = at_exit
 
     @property
     def feature(self) -> Feature:
@@ -100,6 +102,17 @@ class ActivationContext:
 
         wrapper.__loongkit_original__ = fn  # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]
+
+    def at_exit(self, callback: Callable[[], None]) -> None:
+        """Run ``callback()`` when the process ends (exit, exception, SIGTERM), before the Summary is
+        written, so what it records (``ctx.detail``) shows there. Only in the process that called this;
+        an exception is a fault of the feature, never of the exit."""
+        if self._at_exit is None:
+            import atexit
+
+            atexit.register(callback)
+        else:
+            self._at_exit(self.record, callback)
 
     def on_import(self, module: str, callback: Callable[[Any], None]) -> None:
         """Run ``callback(module)`` when ``module`` finishes importing (now, if it already has)."""

@@ -53,6 +53,7 @@ class Runtime:
         self._summary_done = False
         self._booting = True
         self.destination: log.Destination | None = None
+        self._exit_callbacks: list[tuple[FeatureRecord, Callable[[], None], int]] = []
         self.log: Any = log.get_logger("loongkit.core")
 
     # -- faults --------------------------------------------------------------------------------
@@ -238,7 +239,7 @@ class Runtime:
         ctx = self.contexts.get(record.feature.name)
         if ctx is None:
             ctx = ActivationContext(record, self.env, log.get_logger(f"loongkit.{record.feature.name}"),
-                                    importhooks.when_imported)
+                                    importhooks.when_imported, self._register_exit)
             self.contexts[record.feature.name] = ctx
         return ctx
 
@@ -299,6 +300,23 @@ class Runtime:
         plugin = feature.feature.plugin if isinstance(feature, FeatureRecord) else "<import hook>"
         self.manager.fault(plugin, f"import hook on {module}", exc, name)
 
+    def _register_exit(self, record: FeatureRecord, callback: Callable[[], None]) -> None:
+        self._exit_callbacks.append((record, callback, os.getpid()))
+
+    def run_exit_callbacks(self) -> None:
+        """Features' clean-up, newest first, in the process that registered each; isolated."""
+        while self._exit_callbacks:
+            record, callback, pid = self._exit_callbacks.pop()
+            if pid != os.getpid():
+                continue
+            try:
+                callback()
+            except Exception as exc:
+                try:
+                    self.manager.fault(record.feature.plugin, "exit callback", exc, record.feature.name)
+                except LoongkitStrictError:
+                    pass  # too late to fail the run; it is in the log and the Summary
+
     # -- summary -------------------------------------------------------------------------------
     def summary_text(self) -> str:
         extra: list[str] = []
@@ -307,7 +325,9 @@ class Runtime:
         return summary_mod.render(list(self.records.values()), self.manager.faults, extra, log.log_path())
 
     def finish(self) -> None:
-        """Print and log the Summary once, from the process that booted (never from a forked child)."""
+        """Run features' exit callbacks, then print and log the Summary once, from the process that
+        booted (never from a forked child)."""
+        self.run_exit_callbacks()
         if self._summary_done or os.getpid() != self.process.pid or not self.process.writes_summary:
             return
         self._summary_done = True

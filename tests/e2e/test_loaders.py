@@ -189,3 +189,16 @@ def test_python_subprocess_of_main_does_not_print_a_second_summary(site: Path, r
     assert "result 4" in r.stdout and "child 4" in r.stdout  # features apply in the child too
     assert r.summaries_printed == 1
     assert sum("Loongkit Feature Summary" in p.read_text() for p in r.logdir.glob("*.log")) == 2
+
+
+EXIT_PLUGIN = DEMO_PLUGIN.replace('''        ctx.set_config({"factor": 2})''', '''        ctx.set_config({"factor": 2})
+        ctx.at_exit(lambda: ctx.detail("cleaned", True))''')
+
+
+@pytest.mark.parametrize("ending", ["pass", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"])
+def test_exit_callbacks_run_before_the_summary(tmp_path: Path, run_loongkit, ending: str) -> None:  # type: ignore[no-untyped-def]
+    site = install_fake_plugin(tmp_path / "s", "demo_plugin", EXIT_PLUGIN, entry_point="demo_plugin:plugin")
+    (site / "demo_target.py").write_text("def compute(x):\n    return x + 1\n")
+    r = run_loongkit(USE + "\n" + ending, _env(site, LOONGKIT_DEMO_DOUBLE="1"))
+    assert r.feature("demo_double")["details"] == {"cleaned": True}
+    assert r.summaries_printed == 1

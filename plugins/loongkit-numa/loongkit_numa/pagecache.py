@@ -19,7 +19,6 @@ process of local rank 0 (or of a run without ranks) applies it.
 
 from __future__ import annotations
 
-import atexit
 import os
 import re
 import threading
@@ -311,7 +310,7 @@ class PageCacheLimit(FeatureImpl):
             except RuntimeError as exc:
                 raise NotApplicable(str(exc)) from exc
             self.kernel = kernel
-            atexit.register(kernel.restore)
+            ctx.at_exit(kernel.restore)
             for change in changes:
                 ctx.log.info(f"page_cache_limit: {change}")
             ctx.log.info(f"page_cache_limit: kernel page cache limit {limit} bytes on {mechanism.group.path} "
@@ -329,7 +328,7 @@ class PageCacheLimit(FeatureImpl):
         reclaimer = Reclaimer(mechanism.group, limit, options.sync, on_reclaim=on_reclaim, log=ctx.log)
         reclaimer.start()
         self.reclaimer = reclaimer
-        atexit.register(reclaimer.stop)
+        ctx.at_exit(reclaimer.stop)
         ctx.record.reason = "page cache has not exceeded the limit yet"
         ctx.log.info(f"page_cache_limit: reclaimer started: page cache of {mechanism.group.path} kept under "
                      f"{limit} bytes through memory.reclaim (poll {reclaimer.interval:g}s, "

@@ -25,13 +25,11 @@ a missing cpuset controller, missing delegation, EBUSY or EPERM end as "not appl
 
 from __future__ import annotations
 
-import atexit
 import errno
 import json
 import logging
 import os
 import re
-import sys
 import time
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
@@ -562,7 +560,7 @@ class Subcgroups(FeatureImpl):
             raise RuntimeError(f"cgroup {h.label}: {exc}") from None
         self.partition = part
         self._ctx = ctx
-        atexit.register(self._cleanup_at_exit)
+        ctx.at_exit(self._cleanup_at_exit)  # before the Summary, and on SIGTERM too
         ctx.set_config({"cgroup": h.label, "train": part.train, "data": part.data})
         ctx.detail("train_cpuset", f"cpus {format_cpulist(sets.train_cpus)} mems {format_cpulist(sets.train_mems)}")
         ctx.detail("data_cpuset", f"cpus {format_cpulist(sets.data_cpus)} mems {format_cpulist(sets.data_mems)}")
@@ -583,13 +581,8 @@ class Subcgroups(FeatureImpl):
             notes = self._cleanup()
         except Exception as exc:  # exit must stay quiet whatever cgroupfs does
             notes = [f"{type(exc).__name__}: {exc}"]
-        for note in notes:
-            # The core's log is usually closed by now (the Summary ran first): say it on stderr too.
+        for note in notes:  # runs before the Summary: the log is still open and the details show there
             log.warning(f"subcgroups: cleanup: {note}")
-            try:
-                sys.stderr.write(f"loongkit: subcgroups cleanup: {note}\n")
-            except (OSError, ValueError):
-                pass
 
     def _cleanup(self) -> list[str]:
         part = self.partition

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import errno
 import os
 from pathlib import Path
@@ -40,7 +41,7 @@ MOUNTINFO_V1 = (
 @pytest.fixture(autouse=True)
 def _no_handoff(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(WORKER_ENV, raising=False)
-    monkeypatch.setattr(subcgroups.atexit, "register", lambda fn: fn)
+    monkeypatch.setattr(atexit, "register", lambda fn: fn)
 
 
 def write_v1(root: Path, *, own: str = "/kubepods/pod1/c1", opts: str = "rw,relatime") -> Path:

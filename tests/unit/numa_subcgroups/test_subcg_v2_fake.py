@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 from pathlib import Path
 
 import pytest
-from loongkit_numa import subcgroups
 from loongkit_numa.subcgroups import LEAF, WORKER_ENV, join_data_group
 from subcg_helpers import FakeV2Ops, make_ctx, write_v2_tree
 
@@ -21,7 +21,7 @@ OTHER = 4242  # another process of the container (the launcher, a shell)
 @pytest.fixture(autouse=True)
 def _no_handoff(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(WORKER_ENV, raising=False)
-    monkeypatch.setattr(subcgroups.atexit, "register", lambda fn: fn)  # no exit hooks from in-process tests
+    monkeypatch.setattr(atexit, "register", lambda fn: fn)  # no exit hooks from in-process tests
 
 
 def tree(tmp_path: Path, **kw: object) -> tuple[str, Path]:
