@@ -202,3 +202,12 @@ def test_exit_callbacks_run_before_the_summary(tmp_path: Path, run_loongkit, end
     r = run_loongkit(USE + "\n" + ending, _env(site, LOONGKIT_DEMO_DOUBLE="1"))
     assert r.feature("demo_double")["details"] == {"cleaned": True}
     assert r.summaries_printed == 1
+
+
+def test_full_boot_imports_no_target_library(tmp_path: Path) -> None:
+    """LOONGKIT_ALL=3 resolves every feature of every plugin without importing what they patch."""
+    code = ("import sys; print('targets', [m for m in ('torch', 'numpy', 'mmcv', 'mmdet', 'mmengine', 'cv2', "
+            "'transformers', 'triton') if m in sys.modules])")
+    r = run_snippet(code, {"LOONGKIT_ALL": "3"}, tmp=tmp_path)
+    assert "targets []" in r.stdout, r.stdout + r.stderr
+    assert r.summaries_printed == 1

@@ -20,8 +20,6 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import numpy as np
-
 from loongkit_core.context import ActivationContext, Environment, NotApplicable
 from loongkit_core.kit import FeatureImpl
 
@@ -30,6 +28,8 @@ V2 = "mmdet.datasets.pipelines.transforms"
 
 
 def _f32(value: Any) -> float | None:
+    import numpy as np  # here, not at module level: this module is imported at boot to resolve the feature
+
     """float32 rounding of a Python number, as numpy applies it to ``float32_array op= value``."""
     if type(value) in (float, int):
         return float(np.float32(value))
@@ -37,6 +37,8 @@ def _f32(value: Any) -> float | None:
 
 
 def _perm(value: Any) -> tuple[int, int, int] | None:
+    import numpy as np
+
     if type(value) is not np.ndarray or value.shape != (3,) or value.dtype.kind not in "iu":
         return None
     perm = tuple(int(v) for v in value)

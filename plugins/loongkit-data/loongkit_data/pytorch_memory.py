@@ -16,13 +16,12 @@ from __future__ import annotations
 import gc
 import inspect
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loongkit_core import workers
 from loongkit_core.context import ActivationContext, NotApplicable
 from loongkit_core.kit import FeatureImpl
 from loongkit_data import allocator
-from loongkit_data.serialize import SerializedList
 
 MIN_RECORDS = 1000  # below this a list costs a worker little; not worth a pickle pass
 SAMPLE = 32  # records checked for being dicts/tuples (spread over the list)
@@ -62,6 +61,10 @@ def child_datasets(obj: Any) -> list[Any]:
     if "datasets" in inner and isinstance(inner["datasets"], (list, tuple)):
         found.extend(d for d in inner["datasets"] if hasattr(d, "__getitem__"))
     return found
+
+
+if TYPE_CHECKING:
+    from loongkit_data.serialize import SerializedList
 
 
 class PytorchMemory(FeatureImpl):
@@ -177,6 +180,8 @@ class PytorchMemory(FeatureImpl):
         return live
 
     def _convert_attributes(self, obj: Any, path: str) -> int:
+        from loongkit_data.serialize import SerializedList  # numpy: only once a DataLoader starts workers
+
         live = 0
         attributes = getattr(obj, "__dict__", None)
         if not isinstance(attributes, dict):
