@@ -28,7 +28,9 @@ from loongkit_core.kit import FeatureImpl
 from loongkit_core.settings import LoongkitSettings
 from loongkit_data import allocator
 
-PROBE_BYTES = 64 << 20  # above glibc's largest dynamic mmap threshold (32 MiB): mmapped by default
+# Just above glibc's largest dynamic mmap threshold (32 MiB): always mmapped by default, so the probe
+# shows the storm; kept small because its page faults are the feature's own start-up cost.
+PROBE_BYTES = 33 << 20
 
 
 def _lower(value: object) -> object:
@@ -42,14 +44,17 @@ class MallocOptions(LoongkitSettings):
         "glibc", description="glibc (mallopt tuning), jemalloc or tcmalloc (preloaded).")
 
 
-def probe_faults(size: int = PROBE_BYTES) -> int:
-    """Minor faults of the second of two malloc/touch/free cycles of ``size`` bytes (0 = memory kept)."""
+def probe_faults(size: int = PROBE_BYTES, cycles: int = 2) -> int:
+    """Minor faults of the last of ``cycles`` malloc/touch/free cycles of ``size`` bytes (0 = memory kept).
+
+    Untuned, every cycle of a block above the mmap threshold faults afresh, so one cycle is enough
+    there; tuned, the first cycle grows the heap and the second shows the reuse."""
     libc = ctypes.CDLL(None)
     libc.malloc.restype = ctypes.c_void_p
     libc.malloc.argtypes = [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
     faults = 0
-    for _ in range(2):
+    for _ in range(cycles):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         block = libc.malloc(size)
         if not block:
@@ -101,13 +106,13 @@ class Malloc(FeatureImpl):
         if reason is not None:
             raise NotApplicable(reason)
         self.faults_at_boot = allocator.minor_faults()
-        default_faults = probe_faults()
+        default_faults = probe_faults(cycles=1)
         result = allocator.apply_glibc()
         tuned_faults = probe_faults()
         self.probe = (default_faults, tuned_faults)
         config.update(result.to_config())
         ctx.set_config(config)
-        ctx.detail("probe_faults_per_64MiB_temporary", {"default": default_faults, "tuned": tuned_faults})
+        ctx.detail("probe_faults_per_33MiB_temporary", {"default": default_faults, "tuned": tuned_faults})
         ctx.log.info("glibc malloc tuned", **result.to_config(), probe_default=default_faults, probe_tuned=tuned_faults)
         if result.refused:
             ctx.log.warning("glibc refused some mallopt values", refused=result.refused)

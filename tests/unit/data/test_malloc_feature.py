@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from loongkit_data import allocator
+from loongkit_data import allocator, malloc
 from loongkit_data.malloc import Malloc, MallocOptions
 from loongkit_data.plugin import plugin
 
@@ -73,7 +73,8 @@ def test_glibc_tuning_in_this_process() -> None:
     assert active
     assert config["allocator"] == "glibc" and config["mmap_threshold"] == "256MiB"
     default, tuned = probe
-    assert default > 10000 and tuned < 2000  # the probe measured the difference in that very process
+    pages = malloc.PROBE_BYTES // 4096
+    assert default > pages * 0.9 and tuned < pages // 5  # the probe measured the difference in that process
     assert "minor faults" in lines[0]
 
 
