@@ -3,6 +3,9 @@
 - tests   : core + plugins, fast unit and end-to-end tests on torch 2.13.0 CPU (no OpenMMLab)
 - stack2  : integration tests against the OpenMMLab 2.x stack (mmcv 2.1.0 with CPU ops, mmengine,
             mmdet 3.3, mmseg 1.2) on torch 2.13.0
+- stack1  : integration tests marked `stack1` against the 1.x stack (mmcv-full 1.7.2 with CPU ops,
+            mmdet 2.28, mmseg 0.30) on torch 2.14.1 + torchvision 0.29.1 (mmcv 1.x's runner imports
+            torchvision; PyPI's torchvision does not load beside torch 2.13.0)
 - lint    : ruff
 - bench   : every benchmark in --quick mode, writing bench-out/bench.md
 
@@ -63,8 +66,45 @@ def stack2(session: nox.Session) -> None:
     session.install("ninja", "psutil", "mmengine==0.10.7")
     session.install(_mmcv_wheel(session, "2.1.0"))
     session.install("mmdet==3.3.0", "mmsegmentation==1.2.2", "ftfy", "regex")
-    session.run("pytest", "-m", "integration", *session.posargs,
+    session.run("pytest", "-m", "integration and not stack1", *session.posargs,
                 env={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}, success_codes=[0, 5])
+
+
+TORCH1 = ("torch==2.14.1", "torchvision==0.29.1")
+
+
+def _mmcv_full_wheel(session: nox.Session, version: str) -> str:
+    """Path of a cached mmcv-full wheel with CPU ops; build it (~7 min on 2 cores) when missing.
+
+    torch 2.14's headers need C++20 and mmcv-full's setup.py hard-codes -std=c++17: the sdist is
+    unpacked and patched before the build.
+    """
+    WHEELS.mkdir(parents=True, exist_ok=True)
+    found = sorted(WHEELS.glob(f"mmcv_full-{version}-*.whl"))
+    if not found:
+        session.log(f"building mmcv-full {version} with CPU ops into {WHEELS} (one time, ~7 minutes)")
+        src = Path(session.create_tmp()) / "mmcv-full-src"
+        src.mkdir(exist_ok=True)
+        session.run("pip", "download", "--no-build-isolation", "--no-deps", "--no-binary", ":all:",
+                    f"mmcv-full=={version}", "-d", str(src))
+        session.run("tar", "xf", str(src / f"mmcv-full-{version}.tar.gz"), "-C", str(src), external=True)
+        setup = src / f"mmcv-full-{version}" / "setup.py"
+        setup.write_text(setup.read_text().replace("-std=c++17", "-std=c++20"))
+        session.run("pip", "wheel", "--no-build-isolation", "--no-deps", str(setup.parent), "-w", str(WHEELS),
+                    env={"MMCV_WITH_OPS": "1", "FORCE_CUDA": "0", "MAX_JOBS": str(os.cpu_count() or 2)})
+        found = sorted(WHEELS.glob(f"mmcv_full-{version}-*.whl"))
+    return str(found[-1])
+
+
+@nox.session(tags=["test"])
+def stack1(session: nox.Session) -> None:
+    """Integration tests marked stack1 on the OpenMMLab 1.x stack (mmcv-full 1.7.2, mmdet 2.28, mmseg 0.30)."""
+    session.install("-U", "pip", "wheel", "setuptools<81")
+    session.install(*TORCH1, "ninja", "psutil")
+    session.install("-e", ".", *[f"-e{p}" for p in PLUGINS], *TEST_DEPS)
+    session.install(_mmcv_full_wheel(session, "1.7.2"))
+    session.install("mmdet==2.28.2", "mmsegmentation==0.30.0")
+    session.run("pytest", "-m", "stack1", *session.posargs, success_codes=[0, 5])
 
 
 @nox.session(tags=["lint"])

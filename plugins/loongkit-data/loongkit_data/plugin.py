@@ -11,6 +11,11 @@ from loongkit_data import __version__
 plugin = PluginSpec("data", distribution="loongkit-data")
 
 _MMCV1 = "mmcv>=1.7.0,<=1.8.0"
+_IMPLS = {
+    "data_container": "loongkit_data.datacontainer:DataContainerPin",
+    "data_prefetch": "loongkit_data.prefetch_mmcv:DataPrefetch",
+    "mmengine_data_prefetch": "loongkit_data.prefetch_mmengine:MmengineDataPrefetch",
+}
 
 for _feature in (
     Feature(
@@ -21,7 +26,6 @@ for _feature in (
         description="pin_memory support for mmcv DataContainer; turns on DataLoader pin_memory.",
         requires=(_MMCV1,),
         targets=("mmcv.parallel",),
-        implemented=False,
         plugin_version=__version__,
     ),
     Feature(
@@ -32,8 +36,7 @@ for _feature in (
         description="Prefetch the next batch to the GPU on a side stream (mmcv 1.x runners).",
         requires=(_MMCV1,),
         depends_on=("data_container",),
-        targets=("mmcv.parallel",),
-        implemented=False,
+        targets=("mmcv.runner",),
         plugin_version=__version__,
     ),
     Feature(
@@ -44,11 +47,10 @@ for _feature in (
         description="Prefetch the next batch to the GPU in mmengine's loops (mmcv 2.x).",
         requires=("mmcv>=2.0.0", "mmengine>=0.8.0"),
         targets=("mmengine.runner",),
-        implemented=False,
         plugin_version=__version__,
     ),
 ):
-    plugin.add(_feature)
+    plugin.add(_feature, impl=_IMPLS.get(_feature.name))
 
 # LOONGKIT_IMNORMALIZE and LOONGKIT_DISTORTION (issue 6): bit-exact compiled CPU kernels.
 plugin.add(
