@@ -102,5 +102,16 @@ def loongkit_summary(records: Sequence[FeatureRecord]) -> Sequence[str]:
 
 
 @hookspec
+def loongkit_launch_environment(records: Sequence[FeatureRecord], environ: Mapping[str, str]) -> Mapping[str, str]:
+    """Return variables ``loongkit-run`` sets for the command before it execs it.
+
+    For what must be in place before the process starts, e.g. ``LD_PRELOAD`` of an allocator for an
+    enabled malloc feature. ``records`` are resolved (enabled, applicable, configured) but nothing is
+    armed; ``environ`` is the command's environment. A value the user already set wins, except
+    ``LD_PRELOAD``, whose entries are prepended. Called only when a feature is requested.
+    """
+
+
+@hookspec
 def loongkit_add_cli(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add subcommands to the ``loongkit`` command line (e.g. ``loongkit numa plan``)."""

@@ -78,6 +78,7 @@ class PluginSpec:
         self._policies: list[Callable[[Hardware, Sequence[Feature]], Mapping[str, PolicyDecision]]] = []
         self._cli: list[Callable[[Any], None]] = []
         self._summary: list[Callable[[Sequence[FeatureRecord]], Sequence[str]]] = []
+        self._launch_env: list[Callable[[Sequence[FeatureRecord], Mapping[str, str]], Mapping[str, str]]] = []
         assert self.LOONGKIT_CORE_API[0] <= CORE_API_VERSION <= self.LOONGKIT_CORE_API[1]
 
     # -- declaring ---------------------------------------------------------------------------
@@ -104,6 +105,11 @@ class PluginSpec:
     def summary(self, fn: Callable[[Sequence[FeatureRecord]], Sequence[str]]) -> Callable:
         """Decorator: register a function returning extra Summary lines."""
         self._summary.append(fn)
+        return fn
+
+    def launch_env(self, fn: Callable[[Sequence[FeatureRecord], Mapping[str, str]], Mapping[str, str]]) -> Callable:
+        """Decorator: register a function returning variables for ``loongkit-run`` to set before exec."""
+        self._launch_env.append(fn)
         return fn
 
     def impl(self, feature: Feature) -> FeatureImpl:
@@ -160,6 +166,14 @@ class PluginSpec:
         for fn in self._summary:
             lines.extend(fn(records) or ())
         return lines
+
+    @hookimpl
+    def loongkit_launch_environment(self, records: Sequence[FeatureRecord],
+                                    environ: Mapping[str, str]) -> dict[str, str]:
+        extra: dict[str, str] = {}
+        for fn in self._launch_env:
+            extra.update(fn(records, environ) or {})
+        return extra
 
     @hookimpl
     def loongkit_add_cli(self, subparsers: Any) -> None:

@@ -30,6 +30,38 @@ def child_environ(environ: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def plugin_environ(env: dict[str, str]) -> dict[str, str]:
+    """Variables that enabled features need set before the command starts (``loongkit_launch_environment``).
+
+    Only when a feature is requested: otherwise the launcher stays as cheap as a plain exec. A fault
+    here is reported on stderr and the command runs without the extra variables.
+    """
+    from loongkit_core import _boot
+
+    if not _boot.requested(env):
+        return env
+    try:
+        from loongkit_core.runtime import Runtime
+
+        rt = Runtime(env, arm=False)
+        rt.boot(configure_logging=False)
+        out = dict(env)
+        for plugin, extra in rt.manager.call_each("loongkit_launch_environment", records=list(rt.records.values()),
+                                                  environ=env):
+            for key, value in dict(extra).items():
+                if key == "LD_PRELOAD":
+                    parts = [value, *[p for p in out.get(key, "").replace(" ", ":").split(":") if p and p != value]]
+                    out[key] = ":".join(parts)
+                elif key not in env:
+                    out[key] = str(value)
+                if rt.settings.loglevel in ("debug", "info"):
+                    sys.stderr.write(f"loongkit-run: {key}={out.get(key)} (plugin {plugin})\n")
+        return out
+    except Exception as exc:
+        sys.stderr.write(f"loongkit-run: launch environment skipped ({type(exc).__name__}: {exc})\n")
+        return env
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     info = False
@@ -52,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args:
         sys.stderr.write(USAGE)
         return 2
-    env = child_environ(dict(os.environ))
+    env = plugin_environ(child_environ(dict(os.environ)))
     program = args[0]
     path = program if os.sep in program else shutil.which(program, path=env.get("PATH"))
     if path is None:

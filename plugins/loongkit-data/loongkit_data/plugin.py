@@ -139,3 +139,20 @@ def _malloc_cli(subparsers: Any) -> None:
         return 0
 
     parser.set_defaults(func=run)
+
+
+@plugin.launch_env
+def _malloc_preload(records: Any, environ: Any) -> dict[str, str]:
+    """Under ``loongkit-run``, LOONGKIT_MALLOC with jemalloc/tcmalloc preloads the library for the whole job."""
+    record = next((r for r in records if r.feature.name == "malloc" and r.feature.plugin == "data"), None)
+    if record is None or not record.enabled or record.state.value != "armed":
+        return {}
+    from loongkit_data import allocator
+    from loongkit_data.malloc import MallocOptions
+
+    options = record.config if isinstance(record.config, MallocOptions) else None
+    kind = options.allocator if options is not None else "glibc"
+    if kind == "glibc" or allocator.preloaded_allocator(environ) == kind:
+        return {}
+    path = allocator.find_library(kind)
+    return allocator.preload_environ(path, kind, environ) if path else {}
