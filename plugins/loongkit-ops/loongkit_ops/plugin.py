@@ -33,16 +33,18 @@ def _declare(name: str, level: int, description: str, requires: tuple[str, ...] 
 
 
 _declare("compile_resnet", 1, "torch.compile the stages of mmdet's ResNet backbone.",
-         ("torch>=2.6.0", "mmdet>=1.0.0,<=3.3.0"), ("mmdet.models.backbones.resnet",))
+         ("torch>=2.6.0", "mmdet>=1.0.0,<=3.3.0"), ("mmdet.models.backbones.resnet",),
+         impl="loongkit_ops.compile.resnet:CompileResNet")
 _declare("fused_adamw", 1, "AdamW with the fused implementation.", ("torch>=2.4.0",), ("torch.optim",),
          impl="loongkit_ops.optim:FusedAdamW")
 _declare("fused_adam", 1, "Adam with the fused implementation.", ("torch>=2.4.0",), ("torch.optim",),
          impl="loongkit_ops.optim:FusedAdam")
 _declare("openvla", 1, "torch.compile the Llama-2 decoder layers of an OpenVLA-style model.",
-         ("torch>=2.6.0",), ("transformers.models.llama.modeling_llama",))
+         ("torch>=2.6.0",), ("transformers.models.llama.modeling_llama",),
+         impl="loongkit_ops.compile.llama:CompileLlama")
 _declare("mmdet_modules", 1, "torch.compile selected modules registered in mmdet.models.builder.MODELS.",
          ("torch>=2.6.0", "mmdet>=2.12.0,<=2.28.3"), ("mmdet.models.builder",),
-         ("LOONGKIT_COMPILE_MMDET_MODULES_FILTER",))
+         ("LOONGKIT_COMPILE_MMDET_MODULES_FILTER",), impl="loongkit_ops.compile.mmdet_modules:CompileMMDetModules")
 _declare("dice_loss", 1, "Fused DiceLoss for mmseg.", ("mmseg>=0.12.0,<=1.0.0",), ("mmseg.models.losses.dice_loss",))
 _declare("dag", 1, "Fused deformable aggregation for DeformableFeatureAggregation (Sparse4D).")
 _declare("voxelization", 3, "Faster hard_voxelize for mmcv/mmdet3d voxelization.", (), ("mmcv.ops.voxelize",))
@@ -50,11 +52,13 @@ _declare("bevformer", 1, "Fused SpatialCrossAttention / TemporalSelfAttention of
 _declare("uniad", 1, "Fused and vectorised modules of UniAD.")
 _declare("bevfusion", 3, "Fused bev_pool and vectorised geometry of BEVFusion.")
 _declare("hf_acc_compile", 3, "torch.compile training with HuggingFace Accelerate (inductor).",
-         ("torch==2.10.*",), ("accelerate",))
+         ("torch==2.10.*",), ("accelerate",), impl="loongkit_ops.compile.hf_accelerate:HFAccCompile")
 _declare("dynamic_shape_fix", 1, "Work around torch 2.9 crashes compiling with dynamic shapes.",
          ("torch==2.9.*",), ("torch._dynamo.config", "torch._inductor.config"),
          impl="loongkit_ops.fixes:DynamicShapeFix")
-_declare("compile_pi0pytorch", 1, "torch.compile the pi0 PyTorch policy module.", ("torch>=2.6.0",))
+_declare("compile_pi0pytorch", 1, "torch.compile the pi0 PyTorch policy module.", ("torch>=2.6.0",),
+         ("lerobot.policies.pi0.modeling_pi0", "openpi.models_pytorch.pi0_pytorch"),
+         impl="loongkit_ops.compile.pi0:CompilePi0")
 _declare("donated_buffer_fix", 1, "Disable donated_buffer where DDPOptimizer silently overwrites weights.",
          ("torch>=2.6.0,<2.9",), ("torch._dynamo.backends.distributed",),
          impl="loongkit_ops.fixes:DonatedBufferFix")

@@ -1,0 +1,62 @@
+"""LOONGKIT_COMPILE_PI0PYTORCH: torch.compile the pi0 PyTorch policy's forward.
+
+The policy module is openpi's ``PI0Pytorch`` (``openpi.models_pytorch.pi0_pytorch``), which lerobot
+ports as ``lerobot.policies.pi0.modeling_pi0.PI0Pytorch`` and wraps in ``PI0Policy`` (the policy calls
+``self.model(images, img_masks, lang_tokens, lang_masks, state, actions, noise, time)`` for the training
+loss). ``PI0Pytorch.__init__`` is wrapped so the instance's call (its ``forward``, the flow-matching
+loss) is compiled (see :mod:`.common`). ``sample_actions`` (inference, with a KV cache) is left as is.
+
+Both implementations have their own switch (``config.compile_model``) that assigns compiled
+``self.forward``/``self.sample_actions`` on the instance: such an instance is left alone (compiling it
+twice would only nest two compilers).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+from loongkit_core.context import ActivationContext, NotApplicable
+from loongkit_core.kit import FeatureImpl
+from loongkit_ops.compile._patch import after_init
+from loongkit_ops.compile.common import Compiler
+
+CLASS = "PI0Pytorch"
+TARGETS = ("lerobot.policies.pi0.modeling_pi0", "openpi.models_pytorch.pi0_pytorch")
+
+
+class CompilePi0(FeatureImpl):
+    def __init__(self, feature: Any) -> None:
+        super().__init__(feature)
+        self.compiler: Compiler | None = None
+
+    def activate(self, ctx: ActivationContext, target: str | None) -> None:
+        import torch
+
+        assert target is not None
+        module = sys.modules.get(target) or importlib.import_module(target)
+        cls = getattr(module, CLASS, None)
+        if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+            raise NotApplicable(f"{target} has no {CLASS} nn.Module class")
+        if "__init__" not in cls.__dict__ or "forward" not in cls.__dict__:
+            raise NotApplicable(f"{target}.{CLASS} defines no __init__/forward")
+        if self.compiler is None:  # both targets (lerobot and openpi) report into one Summary config
+            self.compiler = Compiler(ctx)
+        compiler = self.compiler
+        group = f"{target}.{CLASS}"
+
+        def step(policy: Any) -> None:
+            if "forward" in policy.__dict__:
+                compiler.keep_eager(group, "already compiled by config.compile_model")
+                return
+            compiler.compile_module(policy, group, group=group)
+
+        after_init(ctx, cls, compiler, step)
+        ctx.log.info("pi0 policy forward will be compiled at construction", cls=group)
+
+    def deactivate(self, ctx: ActivationContext) -> None:
+        if self.compiler is not None:
+            self.compiler.uncompile()
+            self.compiler = None
+        super().deactivate(ctx)
