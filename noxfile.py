@@ -29,6 +29,8 @@ TORCH = "torch==2.13.0"
 PLUGINS = sorted(str(p) for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").exists())
 WHEELS = Path(os.environ.get("LOONGKIT_WHEEL_CACHE", Path.home() / ".cache" / "loongkit-wheels"))
 TEST_DEPS = ["pytest>=7.4", "hypothesis>=6.80", "numpy", "psutil"]
+# The OPENVLA / HF_ACC_COMPILE tests build a tiny Llama in code; pinned so torch stays 2.13.0.
+HF_DEPS = ["transformers==4.57.6", "accelerate==1.15.0"]
 
 
 def _install_loongkit(session: nox.Session) -> None:
@@ -41,6 +43,7 @@ def _install_loongkit(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """Unit and end-to-end tests without the OpenMMLab stacks."""
     _install_loongkit(session)
+    session.install(*HF_DEPS)
     session.run("pytest", "-m", "not integration", *session.posargs)
     # Guard the fast path: a heavy import sneaking into start-up fails the build (bound is generous).
     session.run("python", "benchmarks/startup.py", "--quick", "--check-ms", "20")
