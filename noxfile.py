@@ -70,7 +70,7 @@ def stack2(session: nox.Session) -> None:
     session.install(_mmcv_wheel(session, "2.1.0"))
     session.install("mmdet==3.3.0", "mmsegmentation==1.2.2", "ftfy", "regex")
     session.run("pytest", "-m", "integration and not stack1", *session.posargs,
-                env={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}, success_codes=[0, 5])
+                env={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"})
 
 
 TORCH1 = ("torch==2.14.1", "torchvision==0.29.1")
@@ -107,7 +107,7 @@ def stack1(session: nox.Session) -> None:
     session.install("-e", ".", *[f"-e{p}" for p in PLUGINS], *TEST_DEPS)
     session.install(_mmcv_full_wheel(session, "1.7.2"))
     session.install("mmdet==2.28.2", "mmsegmentation==0.30.0")
-    session.run("pytest", "-m", "stack1", *session.posargs, success_codes=[0, 5])
+    session.run("pytest", "-m", "stack1", *session.posargs)
 
 
 @nox.session(tags=["lint"])
