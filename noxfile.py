@@ -31,6 +31,8 @@ WHEELS = Path(os.environ.get("LOONGKIT_WHEEL_CACHE", Path.home() / ".cache" / "l
 TEST_DEPS = ["pytest>=7.4", "hypothesis>=6.80", "numpy", "psutil"]
 # The OPENVLA / HF_ACC_COMPILE tests build a tiny Llama in code; pinned so torch stays 2.13.0.
 HF_DEPS = ["transformers==4.57.6", "accelerate==1.15.0"]
+# Triton GPU kernels are tested on the CPU with TRITON_INTERPRET=1.
+TRITON = "triton==3.9.0"
 
 
 def _install_loongkit(session: nox.Session) -> None:
@@ -43,7 +45,7 @@ def _install_loongkit(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """Unit and end-to-end tests without the OpenMMLab stacks."""
     _install_loongkit(session)
-    session.install(*HF_DEPS)
+    session.install(*HF_DEPS, TRITON)
     session.run("pytest", "-m", "not integration", *session.posargs)
     # Guard the fast path: a heavy import sneaking into start-up fails the build (bound is generous).
     session.run("python", "benchmarks/startup.py", "--quick", "--check-ms", "20")

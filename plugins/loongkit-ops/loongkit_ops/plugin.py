@@ -46,9 +46,12 @@ _declare("mmdet_modules", 1, "torch.compile selected modules registered in mmdet
          ("torch>=2.6.0", "mmdet>=2.12.0,<=2.28.3"), ("mmdet.models.builder",),
          ("LOONGKIT_COMPILE_MMDET_MODULES_FILTER",), impl="loongkit_ops.compile.mmdet_modules:CompileMMDetModules")
 _declare("dice_loss", 1, "Fused DiceLoss for mmseg.", ("mmseg>=0.12.0,<=1.0.0",), ("mmseg.models.losses.dice_loss",))
+_declare("dice_loss_mmseg1", 1, "Fused DiceLoss for mmseg >= 1.1 (its rewritten loss; LOONGKIT_DICE_LOSS covers 0.x).",
+         ("mmseg>=1.1.0",), ("mmseg.models.losses.dice_loss",), impl="loongkit_ops.patches.dice:DiceLossMmseg1")
 _declare("dag", 1, "Fused deformable aggregation for DeformableFeatureAggregation (Sparse4D).")
 _declare("voxelization", 3, "Faster hard_voxelize for mmcv/mmdet3d voxelization.", (), ("mmcv.ops.voxelize",))
-_declare("bevformer", 1, "Fused SpatialCrossAttention / TemporalSelfAttention of BEVFormer.")
+_declare("bevformer", 1, "Fused SpatialCrossAttention / TemporalSelfAttention of BEVFormer.", (),
+         ("mmcv.ops.multi_scale_deform_attn",), impl="loongkit_ops.patches.msda:BevformerMSDA")
 _declare("uniad", 1, "Fused and vectorised modules of UniAD.")
 _declare("bevfusion", 3, "Fused bev_pool and vectorised geometry of BEVFusion.")
 _declare("hf_acc_compile", 3, "torch.compile training with HuggingFace Accelerate (inductor).",

@@ -1,0 +1,147 @@
+"""loongkit-ops kernel library vs upstream, forward+backward on CPU, same process and inputs.
+
+- MSDA: ``loongkit::ms_deform_attn`` vs mmcv's ``multi_scale_deformable_attn_pytorch`` (what mmcv's
+  MultiScaleDeformableAttention runs on CPU) at BEVFormer-tiny shapes: TSA (50x50 BEV, 2 frames,
+  8 heads x 32, 1 level, 4 points) and SCA (6 cameras, 15x25 map, ~1000 visible queries per camera,
+  8 points); full mode adds BEVFormer-base TSA (200x200 BEV).
+- Dice: mmseg 1.x ``DiceLoss`` (softmax and sigmoid) unpatched vs with LOONGKIT_DICE_LOSS_MMSEG1's
+  patch, on [4, 19, 256, 512] logits with 255-labelled pixels.
+
+Needs mmcv and mmseg (the stack2 venv). Prints ``BENCH <name> baseline=<s> ours=<s> ratio=<b/o>``
+(median seconds per forward+backward; runs alternate so both see the same machine state).
+
+    python benchmarks/ops.py --quick     # < 1 minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def median_time(fn: Callable[[], Any], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def compare(name: str, base: Callable[[], Any], ours: Callable[[], Any], reps: int, rounds: int = 3) -> None:
+    base()
+    ours()  # warm-up (first-call allocation, kernel load)
+    b, o = [], []
+    for _ in range(rounds):
+        b.append(median_time(base, reps))
+        o.append(median_time(ours, reps))
+    tb, to = min(b), min(o)
+    print(f"BENCH {name} baseline={tb:.6f} ours={to:.6f} ratio={tb / to:.2f}", flush=True)
+
+
+def msda_case(bs: int, queries: int, heads: int, channels: int, levels: list[tuple[int, int]], points: int) -> tuple:
+    gen = torch.Generator().manual_seed(0)
+    shapes = torch.tensor(levels)
+    areas = shapes[:, 0] * shapes[:, 1]
+    starts = torch.cat([areas.new_zeros(1), areas.cumsum(0)[:-1]])
+    value = torch.randn(bs, int(areas.sum()), heads, channels, generator=gen).requires_grad_()
+    loc = torch.rand(bs, queries, heads, len(levels), points, 2, generator=gen).requires_grad_()
+    attn = torch.rand(bs, queries, heads, len(levels), points, generator=gen).softmax(-1).requires_grad_()
+    grad = torch.randn(bs, queries, heads * channels, generator=gen)
+    return value, shapes, starts, loc, attn, grad
+
+
+def bench_msda(quick: bool, reps: int) -> None:
+    from loongkit_ops.kernels import ops
+    from mmcv.ops.multi_scale_deform_attn import multi_scale_deformable_attn_pytorch
+
+    cases = {
+        "msda_bevformer_tiny_tsa": (2, 2500, 8, 32, [(50, 50)], 4),
+        "msda_bevformer_tiny_sca": (6, 1000, 8, 32, [(15, 25)], 8),
+    }
+    if not quick:
+        cases["msda_bevformer_base_tsa"] = (2, 40000, 8, 32, [(200, 200)], 4)
+        cases["msda_bevformer_base_sca"] = (6, 10000, 8, 32, [(116, 200), (58, 100), (29, 50), (15, 25)], 8)
+    for name, shape in cases.items():
+        value, shapes, starts, loc, attn, grad = msda_case(*shape)
+
+        def base(args: tuple = (value, shapes, loc, attn), grad: torch.Tensor = grad) -> None:
+            multi_scale_deformable_attn_pytorch(*args).backward(grad)
+
+        def ours(args: tuple = (value, shapes, starts, loc, attn), grad: torch.Tensor = grad) -> None:
+            ops.ms_deform_attn_op(*args).backward(grad)
+
+        # The base shapes take seconds per baseline iteration here: fewer repetitions.
+        compare(name, base, ours, reps if "tiny" in name else 1, rounds=3 if "tiny" in name else 2)
+
+
+def bench_dice(quick: bool, reps: int) -> None:
+    import mmseg.models.losses.dice_loss as dice_mod
+    from loongkit_ops.patches.dice import DiceLossMmseg1
+    from loongkit_ops.plugin import plugin
+
+    from loongkit_core.context import ActivationContext
+    from loongkit_core.feature import FeatureRecord
+    from loongkit_core.log import get_logger
+
+    feature = next(f for f in plugin.loongkit_declare_features() if f.name == "dice_loss_mmseg1")
+    ctx = ActivationContext(FeatureRecord(feature), None, get_logger("bench"),  # type: ignore[arg-type]
+                            lambda module, cb: cb(sys.modules[module]))
+    impl = DiceLossMmseg1(feature)
+    gen = torch.Generator().manual_seed(0)
+    shape = (4, 19, 256, 512)
+    pred = torch.randn(*shape, generator=gen).requires_grad_()
+    target = torch.randint(0, 19, (shape[0], *shape[2:]), generator=gen)
+    target[:, :20] = 255
+    for name, config in (("dice_softmax_4x19x256x512", {"use_sigmoid": False}),
+                         ("dice_sigmoid_4x19x256x512", {"use_sigmoid": True})):
+        loss = dice_mod.DiceLoss(**config)
+        original = dice_mod.DiceLoss.forward
+
+        def base(loss: Any = loss, original: Any = original) -> None:
+            original(loss, pred, target).backward()
+
+        impl.activate(ctx, "mmseg.models.losses.dice_loss")
+        patched = dice_mod.DiceLoss.forward
+        impl.deactivate(ctx)
+
+        def ours(loss: Any = loss, patched: Any = patched) -> None:
+            patched(loss, pred, target).backward()
+
+        compare(name, base, ours, max(1, reps // 2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="BEVFormer-tiny shapes only, fewer repetitions")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--only", choices=("msda", "dice"), default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from loongkit_ops import kernels
+
+    if kernels.load() is None:
+        sys.exit(f"loongkit-ops kernels unavailable: {kernels.failure()}")
+    reps = 3 if args.quick else 7
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    import importlib.util
+
+    # The baselines are the upstream packages: without them (nox's plain bench venv) say so, exit 0.
+    for part, needs, run in (("msda", "mmcv", bench_msda), ("dice", "mmseg", bench_dice)):
+        if args.only not in (None, part):
+            continue
+        if importlib.util.find_spec(needs) is None:
+            print(f"# {part}: skipped, {needs} is not installed (run in the stack2 venv)", flush=True)
+            continue
+        run(args.quick, reps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,15 @@
+// Python bindings of loongkit-ops' CPU kernels. Tensors in, outputs preallocated by kernels/ops.py
+// (which registers the torch.library custom ops around them). The GIL is released while computing.
+#include <torch/extension.h>
+
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.attr("ABI") = 1;
+    namespace py = pybind11;
+    auto nogil = py::call_guard<py::gil_scoped_release>();
+    m.def("msda_forward", &loongkit::msda_forward, nogil);
+    m.def("msda_backward", &loongkit::msda_backward, nogil);
+    m.def("dice_stats_forward", &loongkit::dice_stats_forward, nogil);
+    m.def("dice_stats_backward", &loongkit::dice_stats_backward, nogil);
+}

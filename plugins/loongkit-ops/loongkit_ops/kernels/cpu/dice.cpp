@@ -1,0 +1,217 @@
+// mmseg 1.x DiceLoss statistics, fused (forward and backward); threads via at::parallel_for (torch's
+// OpenMP region and thread count), `omp simd` inner loops.
+//
+// mmseg >= 1.1 computes, per sample n over all kept classes and pixels together:
+//   a = sum p*t,  b = sum p*p (naive: sum p),  c = sum t*t (= number of labelled pixels)
+// where p is sigmoid/softmax/identity of the logits and t the one-hot of clamp(label, 0, C) with
+// the extra class C dropped (labels >= C, e.g. 255, have an all-zero target row; negative labels
+// clamp to class 0 exactly as upstream). A class equal to ignore_index is dropped from all sums.
+// Upstream materialises probabilities, an int64 one-hot of C+1 classes, a permuted float copy and
+// the products; here one pass over the logits produces (a, b, c), and the backward recomputes p
+// from the logits (nothing saved but the inputs).
+//
+// Work is split into (sample, block of pixels) tasks. Softmax needs all classes of a pixel, which
+// are strided by H*W, so a task walks the classes outer and its pixels inner (unit stride, vector
+// friendly) over a small block buffer. Partial sums are kept per task in double and added in task
+// order afterwards: deterministic and independent of the thread count.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "kernels.h"
+
+namespace loongkit {
+namespace {
+
+constexpr int64_t kBlock = 256;
+
+enum Activation : int64_t { kIdentity = 0, kSigmoid = 1, kSoftmax = 2 };
+
+// Probabilities of one block of pixels for every class: prob[c * n + s]. Returns nothing else.
+template <typename T>
+inline void block_probs(const T* __restrict x, int64_t C, int64_t S, int64_t n, int64_t act, T* __restrict prob,
+                        T* __restrict scratch) {
+    if (act == kSoftmax) {
+        T* __restrict mx = scratch;
+        T* __restrict sum = scratch + n;
+        std::fill(mx, mx + n, -std::numeric_limits<T>::infinity());
+        std::fill(sum, sum + n, T(0));
+        for (int64_t c = 0; c < C; ++c) {
+            const T* __restrict xc = x + c * S;
+            for (int64_t s = 0; s < n; ++s) mx[s] = std::max(mx[s], xc[s]);
+        }
+        for (int64_t c = 0; c < C; ++c) {
+            const T* __restrict xc = x + c * S;
+            T* __restrict pc = prob + c * n;
+            for (int64_t s = 0; s < n; ++s) {
+                pc[s] = std::exp(xc[s] - mx[s]);
+                sum[s] += pc[s];
+            }
+        }
+        for (int64_t s = 0; s < n; ++s) sum[s] = T(1) / sum[s];
+        for (int64_t c = 0; c < C; ++c) {
+            T* __restrict pc = prob + c * n;
+            for (int64_t s = 0; s < n; ++s) pc[s] *= sum[s];
+        }
+    } else if (act == kSigmoid) {
+        for (int64_t c = 0; c < C; ++c) {
+            const T* __restrict xc = x + c * S;
+            T* __restrict pc = prob + c * n;
+            for (int64_t s = 0; s < n; ++s) pc[s] = T(1) / (T(1) + std::exp(-xc[s]));
+        }
+    } else {
+        for (int64_t c = 0; c < C; ++c) std::copy(x + c * S, x + c * S + n, prob + c * n);
+    }
+}
+
+void check(const at::Tensor& logits, const at::Tensor& target) {
+    TORCH_CHECK(logits.dim() == 3 && logits.is_contiguous(), "logits must be contiguous [N, C, S]");
+    TORCH_CHECK(target.scalar_type() == at::kLong && target.is_contiguous() && target.dim() == 2 &&
+                    target.size(0) == logits.size(0) && target.size(1) == logits.size(2),
+                "target must be contiguous int64 [N, S]");
+}
+
+template <typename T>
+void stats_impl(const T* logits, const int64_t* target, int64_t N, int64_t C, int64_t S, int64_t act, int64_t drop,
+                bool naive, T* stats) {
+    const int64_t blocks = (S + kBlock - 1) / kBlock, tasks = N * blocks;
+    std::vector<double> part(static_cast<size_t>(tasks * 3));
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+        std::vector<T> prob(static_cast<size_t>(C * kBlock)), scratch(2 * kBlock);
+        for (int64_t t = begin; t < end; ++t) {
+            const int64_t n = t / blocks, s0 = (t % blocks) * kBlock, len = std::min(kBlock, S - s0);
+            const T* x = logits + n * C * S + s0;
+            const int64_t* lab = target + n * S + s0;
+            block_probs<T>(x, C, S, len, act, prob.data(), scratch.data());
+            double a = 0, b = 0, cnt = 0;
+            for (int64_t c = 0; c < C; ++c) {
+                if (c == drop) continue;
+                const T* __restrict pc = prob.data() + c * len;
+                T acc = T(0);
+                if (naive) {
+#pragma omp simd reduction(+ : acc)
+                    for (int64_t s = 0; s < len; ++s) acc += pc[s];
+                } else {
+#pragma omp simd reduction(+ : acc)
+                    for (int64_t s = 0; s < len; ++s) acc += pc[s] * pc[s];
+                }
+                b += acc;
+            }
+            for (int64_t s = 0; s < len; ++s) {
+                const int64_t k = std::clamp<int64_t>(lab[s], 0, C);  // upstream clamps before one_hot
+                if (k < C && k != drop) {
+                    a += prob[k * len + s];
+                    cnt += 1;
+                }
+            }
+            part[3 * t] = a;
+            part[3 * t + 1] = b;
+            part[3 * t + 2] = cnt;
+        }
+    });
+    for (int64_t n = 0; n < N; ++n) {
+        double acc[3] = {0, 0, 0};
+        for (int64_t j = 0; j < blocks; ++j)
+            for (int k = 0; k < 3; ++k) acc[k] += part[3 * (n * blocks + j) + k];
+        for (int k = 0; k < 3; ++k) stats[3 * n + k] = static_cast<T>(acc[k]);
+    }
+}
+
+template <typename T>
+void stats_backward_impl(const T* logits, const int64_t* target, int64_t N, int64_t C, int64_t S, int64_t act,
+                         int64_t drop, bool naive, const T* gstats, T* glogits) {
+    const int64_t blocks = (S + kBlock - 1) / kBlock, tasks = N * blocks;
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+        std::vector<T> prob(static_cast<size_t>(C * kBlock)), scratch(2 * kBlock), gp(static_cast<size_t>(C * kBlock));
+        std::vector<T> dot(kBlock);
+        for (int64_t t = begin; t < end; ++t) {
+            const int64_t n = t / blocks, s0 = (t % blocks) * kBlock, len = std::min(kBlock, S - s0);
+            const T* x = logits + n * C * S + s0;
+            const int64_t* lab = target + n * S + s0;
+            T* gx = glogits + n * C * S + s0;
+            const T ga = gstats[3 * n], gb = gstats[3 * n + 1];
+            block_probs<T>(x, C, S, len, act, prob.data(), scratch.data());
+            // d(stats)/dp: ga*t + gb*(2p | 1) on kept classes, 0 on the dropped one.
+            for (int64_t c = 0; c < C; ++c) {
+                const T* __restrict pc = prob.data() + c * len;
+                T* __restrict gc = gp.data() + c * len;
+                if (c == drop) {
+                    std::fill(gc, gc + len, T(0));
+                } else if (naive) {
+                    std::fill(gc, gc + len, gb);
+                } else {
+                    const T g2 = T(2) * gb;
+#pragma omp simd
+                    for (int64_t s = 0; s < len; ++s) gc[s] = g2 * pc[s];
+                }
+            }
+            for (int64_t s = 0; s < len; ++s) {
+                const int64_t k = std::clamp<int64_t>(lab[s], 0, C);
+                if (k < C && k != drop) gp[k * len + s] += ga;
+            }
+            if (act == kSoftmax) {
+                std::fill(dot.begin(), dot.begin() + len, T(0));
+                for (int64_t c = 0; c < C; ++c) {
+                    const T* __restrict pc = prob.data() + c * len;
+                    const T* __restrict gc = gp.data() + c * len;
+                    T* __restrict d = dot.data();
+#pragma omp simd
+                    for (int64_t s = 0; s < len; ++s) d[s] += pc[s] * gc[s];
+                }
+                for (int64_t c = 0; c < C; ++c) {
+                    const T* __restrict pc = prob.data() + c * len;
+                    const T* __restrict gc = gp.data() + c * len;
+                    const T* __restrict d = dot.data();
+                    T* __restrict out = gx + c * S;
+#pragma omp simd
+                    for (int64_t s = 0; s < len; ++s) out[s] = pc[s] * (gc[s] - d[s]);
+                }
+            } else if (act == kSigmoid) {
+                for (int64_t c = 0; c < C; ++c) {
+                    const T* __restrict pc = prob.data() + c * len;
+                    const T* __restrict gc = gp.data() + c * len;
+                    T* __restrict out = gx + c * S;
+#pragma omp simd
+                    for (int64_t s = 0; s < len; ++s) out[s] = gc[s] * pc[s] * (T(1) - pc[s]);
+                }
+            } else {
+                for (int64_t c = 0; c < C; ++c) std::copy(gp.data() + c * len, gp.data() + (c + 1) * len, gx + c * S);
+            }
+        }
+    });
+}
+
+}  // namespace
+
+void dice_stats_forward(const at::Tensor& logits, const at::Tensor& target, int64_t activation, int64_t drop_class,
+                        bool naive, at::Tensor& stats) {
+    check(logits, target);
+    TORCH_CHECK(activation >= 0 && activation <= 2, "activation must be 0, 1 or 2");
+    TORCH_CHECK(stats.is_contiguous() && stats.numel() == 3 * logits.size(0) &&
+                    stats.scalar_type() == logits.scalar_type(), "bad stats");
+    AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "loongkit_dice_stats", [&] {
+        stats_impl<scalar_t>(logits.data_ptr<scalar_t>(), target.data_ptr<int64_t>(), logits.size(0), logits.size(1),
+                             logits.size(2), activation, drop_class, naive, stats.data_ptr<scalar_t>());
+    });
+}
+
+void dice_stats_backward(const at::Tensor& logits, const at::Tensor& target, int64_t activation, int64_t drop_class,
+                         bool naive, const at::Tensor& grad_stats, at::Tensor& grad_logits) {
+    check(logits, target);
+    TORCH_CHECK(activation >= 0 && activation <= 2, "activation must be 0, 1 or 2");
+    TORCH_CHECK(grad_stats.is_contiguous() && grad_stats.numel() == 3 * logits.size(0) &&
+                    grad_stats.scalar_type() == logits.scalar_type(), "bad grad_stats");
+    TORCH_CHECK(grad_logits.is_contiguous() && grad_logits.sizes() == logits.sizes() &&
+                    grad_logits.scalar_type() == logits.scalar_type(), "bad grad_logits");
+    AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "loongkit_dice_stats_backward", [&] {
+        stats_backward_impl<scalar_t>(logits.data_ptr<scalar_t>(), target.data_ptr<int64_t>(), logits.size(0),
+                                      logits.size(1), logits.size(2), activation, drop_class, naive,
+                                      grad_stats.data_ptr<scalar_t>(), grad_logits.data_ptr<scalar_t>());
+    });
+}
+
+}  // namespace loongkit

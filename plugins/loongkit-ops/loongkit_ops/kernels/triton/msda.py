@@ -1,0 +1,159 @@
+"""Multi-scale deformable attention in Triton (forward and backward).
+
+One program per (batch, query, head); the C channels of a value row are one vector (BLOCK_C lanes,
+masked). Accumulation is float32 for fp16/bf16/fp32 inputs and float64 for float64. The backward
+scatters grad_value with atomic adds (on a GPU, unlike the CPU kernel, atomics are cheap and the
+alternative private buffers would cost memory per program); grad_value is accumulated in float32
+(or float64) and cast afterwards, since half-precision atomics lose most of the sum.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _corner(vbase, st, hh, ww, Hl, Wl, inr, cs, C, rowstride, ACC: tl.constexpr):
+    valid = inr & (hh >= 0) & (hh < Hl) & (ww >= 0) & (ww < Wl)
+    off = (st + hh * Wl + ww) * rowstride
+    off = tl.where(valid, off, 0)  # never form an out-of-range address, even masked
+    # The lane mask of a corner: all C channels when valid, none when not (an integer bound rather
+    # than `block & scalar`, which the interpreter cannot broadcast).
+    mask = cs < tl.where(valid, C, 0)
+    v = tl.load(vbase + off + cs, mask=mask, other=0.0).to(ACC)
+    return v, mask, off
+
+
+@triton.jit
+def _msda_fwd(value, shapes, starts, loc, attn, out, K, Lq, H, C,
+              L: tl.constexpr, P: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    b = i // (Lq * H)
+    h = i % H
+    cs = tl.arange(0, BLOCK_C)
+    cmask = cs < C
+    rowstride = H * C
+    vbase = value + b * K * rowstride + h * C
+    acc = tl.zeros([BLOCK_C], dtype=ACC)
+    for lv in tl.static_range(L):
+        Hl = tl.load(shapes + 2 * lv)
+        Wl = tl.load(shapes + 2 * lv + 1)
+        st = tl.load(starts + lv)
+        for p in tl.static_range(P):
+            j = i * L * P + lv * P + p
+            x = tl.load(loc + 2 * j).to(ACC)
+            y = tl.load(loc + 2 * j + 1).to(ACC)
+            a = tl.load(attn + j).to(ACC)
+            w_im = x * Wl.to(ACC) - 0.5
+            h_im = y * Hl.to(ACC) - 0.5
+            inr = (h_im > -2.0) & (w_im > -2.0) & (h_im < (Hl + 1).to(ACC)) & (w_im < (Wl + 1).to(ACC))
+            h_im = tl.where(inr, h_im, 0.0)
+            w_im = tl.where(inr, w_im, 0.0)
+            h0f = tl.floor(h_im)
+            w0f = tl.floor(w_im)
+            lh = h_im - h0f
+            lw = w_im - w0f
+            h0 = h0f.to(tl.int64)
+            w0 = w0f.to(tl.int64)
+            v00, _, _ = _corner(vbase, st, h0, w0, Hl, Wl, inr, cs, C, rowstride, ACC)
+            v01, _, _ = _corner(vbase, st, h0, w0 + 1, Hl, Wl, inr, cs, C, rowstride, ACC)
+            v10, _, _ = _corner(vbase, st, h0 + 1, w0, Hl, Wl, inr, cs, C, rowstride, ACC)
+            v11, _, _ = _corner(vbase, st, h0 + 1, w0 + 1, Hl, Wl, inr, cs, C, rowstride, ACC)
+            sample = (1 - lh) * ((1 - lw) * v00 + lw * v01) + lh * ((1 - lw) * v10 + lw * v11)
+            acc += a * sample
+    tl.store(out + i * C + cs, acc.to(out.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _msda_bwd(value, shapes, starts, loc, attn, gout, gvalue, gloc, gattn, K, Lq, H, C,
+              L: tl.constexpr, P: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    b = i // (Lq * H)
+    h = i % H
+    cs = tl.arange(0, BLOCK_C)
+    cmask = cs < C
+    rowstride = H * C
+    vbase = value + b * K * rowstride + h * C
+    gbase = gvalue + b * K * rowstride + h * C
+    g = tl.load(gout + i * C + cs, mask=cmask, other=0.0).to(ACC)
+    for lv in tl.static_range(L):
+        Hl = tl.load(shapes + 2 * lv)
+        Wl = tl.load(shapes + 2 * lv + 1)
+        st = tl.load(starts + lv)
+        for p in tl.static_range(P):
+            j = i * L * P + lv * P + p
+            x = tl.load(loc + 2 * j).to(ACC)
+            y = tl.load(loc + 2 * j + 1).to(ACC)
+            a = tl.load(attn + j).to(ACC)
+            w_im = x * Wl.to(ACC) - 0.5
+            h_im = y * Hl.to(ACC) - 0.5
+            inr = (h_im > -2.0) & (w_im > -2.0) & (h_im < (Hl + 1).to(ACC)) & (w_im < (Wl + 1).to(ACC))
+            h_im = tl.where(inr, h_im, 0.0)
+            w_im = tl.where(inr, w_im, 0.0)
+            h0f = tl.floor(h_im)
+            w0f = tl.floor(w_im)
+            lh = h_im - h0f
+            lw = w_im - w0f
+            hh = 1 - lh
+            hw = 1 - lw
+            h0 = h0f.to(tl.int64)
+            w0 = w0f.to(tl.int64)
+            v00, m00, o00 = _corner(vbase, st, h0, w0, Hl, Wl, inr, cs, C, rowstride, ACC)
+            v01, m01, o01 = _corner(vbase, st, h0, w0 + 1, Hl, Wl, inr, cs, C, rowstride, ACC)
+            v10, m10, o10 = _corner(vbase, st, h0 + 1, w0, Hl, Wl, inr, cs, C, rowstride, ACC)
+            v11, m11, o11 = _corner(vbase, st, h0 + 1, w0 + 1, Hl, Wl, inr, cs, C, rowstride, ACC)
+            d00 = tl.sum(g * v00, axis=0)
+            d01 = tl.sum(g * v01, axis=0)
+            d10 = tl.sum(g * v10, axis=0)
+            d11 = tl.sum(g * v11, axis=0)
+            ga = hh * hw * d00 + hh * lw * d01 + lh * hw * d10 + lh * lw * d11
+            dw = hh * (d01 - d00) + lh * (d11 - d10)
+            dh = hw * (d10 - d00) + lw * (d11 - d01)
+            zero = tl.zeros([], dtype=ACC)
+            tl.store(gattn + j, tl.where(inr, ga, zero).to(gattn.dtype.element_ty))
+            tl.store(gloc + 2 * j, tl.where(inr, a * Wl.to(ACC) * dw, zero).to(gloc.dtype.element_ty))
+            tl.store(gloc + 2 * j + 1, tl.where(inr, a * Hl.to(ACC) * dh, zero).to(gloc.dtype.element_ty))
+            tl.atomic_add(gbase + o00 + cs, a * hh * hw * g, mask=m00)
+            tl.atomic_add(gbase + o01 + cs, a * hh * lw * g, mask=m01)
+            tl.atomic_add(gbase + o10 + cs, a * lh * hw * g, mask=m10)
+            tl.atomic_add(gbase + o11 + cs, a * lh * lw * g, mask=m11)
+
+
+def _acc(dtype: torch.dtype) -> tuple[tl.dtype, torch.dtype]:
+    return (tl.float64, torch.float64) if dtype == torch.float64 else (tl.float32, torch.float32)
+
+
+def _dims(value: Tensor, loc: Tensor) -> tuple[int, ...]:
+    bs, k, h, c = value.shape
+    _, lq, _, levels, points, _ = loc.shape
+    return bs, k, h, c, lq, levels, points
+
+
+def forward(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor, sampling_locations: Tensor,
+            attention_weights: Tensor) -> Tensor:
+    """[bs, Lq, heads*C]; inputs contiguous, same device; shapes/starts int64 on that device."""
+    bs, k, h, c, lq, levels, points = _dims(value, sampling_locations)
+    out = value.new_empty(bs, lq, h * c)
+    if out.numel() == 0:
+        return out
+    acc, _ = _acc(value.dtype)
+    _msda_fwd[(bs * lq * h,)](value, spatial_shapes, level_start_index, sampling_locations, attention_weights, out,
+                              k, lq, h, c, L=levels, P=points, BLOCK_C=triton.next_power_of_2(c), ACC=acc)
+    return out
+
+
+def backward(grad_out: Tensor, value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor,
+             sampling_locations: Tensor, attention_weights: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    bs, k, h, c, lq, levels, points = _dims(value, sampling_locations)
+    acc, acc_torch = _acc(value.dtype)
+    grad_value = torch.zeros(value.shape, dtype=acc_torch, device=value.device)
+    grad_loc = torch.empty_like(sampling_locations)
+    grad_attn = torch.empty_like(attention_weights)
+    if bs * lq * h:
+        _msda_bwd[(bs * lq * h,)](value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                                  grad_out.contiguous(), grad_value, grad_loc, grad_attn, k, lq, h, c,
+                                  L=levels, P=points, BLOCK_C=triton.next_power_of_2(c), ACC=acc)
+    return grad_value.to(value.dtype), grad_loc, grad_attn

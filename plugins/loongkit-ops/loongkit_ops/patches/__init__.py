@@ -1,0 +1,1 @@
+"""The feature layer of loongkit-ops' kernel library: patches that put the fused ops under models."""
