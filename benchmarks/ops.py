@@ -6,9 +6,17 @@
   8 points); full mode adds BEVFormer-base TSA (200x200 BEV).
 - Dice: mmseg 1.x ``DiceLoss`` (softmax and sigmoid) unpatched vs with LOONGKIT_DICE_LOSS_MMSEG1's
   patch, on [4, 19, 256, 512] logits with 255-labelled pixels.
+- DAF: ``loongkit::deformable_aggregation`` (including the flattening of the feature maps that
+  LOONGKIT_DAG does per call) vs DeformableFeatureAggregation's grid_sample path (one grid_sample
+  per level, stacked, weighted per group, summed over cameras, levels and points) at Sparse4D v3
+  shapes: 6 cameras, levels 64x176..8x22, 256 channels, 8 groups, 13 points, 900 anchors.
+- bev_pool: ``loongkit::bev_pool`` vs BEVFusion's CPU-side formulations: the sort + cumsum trick
+  (LSS's QuickCumsum, then a scatter into the grid) and a plain ``index_add``; ~2M camera points x
+  80 channels into a 360x360 BEV grid (--quick: 500k points).
 
-Needs mmcv and mmseg (the stack2 venv). Prints ``BENCH <name> baseline=<s> ours=<s> ratio=<b/o>``
-(median seconds per forward+backward; runs alternate so both see the same machine state).
+Needs mmcv and mmseg (the stack2 venv) for MSDA and Dice; DAF and bev_pool run anywhere. Prints
+``BENCH <name> baseline=<s> ours=<s> ratio=<b/o>`` (median seconds per forward+backward; runs
+alternate so both see the same machine state).
 
     python benchmarks/ops.py --quick     # < 1 minute
 """
@@ -117,11 +125,90 @@ def bench_dice(quick: bool, reps: int) -> None:
         compare(name, base, ours, max(1, reps // 2))
 
 
+def daf_grid_sample(feature_maps: list[torch.Tensor], points: torch.Tensor, weights: torch.Tensor,
+                    groups: int) -> torch.Tensor:
+    """DeformableFeatureAggregation without the CUDA op: points [bs, cams, anchors, pts, 2] in [0, 1],
+    weights [bs, anchors, cams, levels, pts, groups] -> [bs, anchors, C]."""
+    bs, cams, anchors, pts, _ = points.shape
+    c = feature_maps[0].shape[2]
+    grid = (points * 2 - 1).flatten(end_dim=1)
+    sampled = torch.stack([torch.nn.functional.grid_sample(fm.flatten(end_dim=1), grid, align_corners=False)
+                           for fm in feature_maps], dim=1)  # [bs*cams, levels, C, anchors, pts]
+    sampled = sampled.reshape(bs, cams, len(feature_maps), c, anchors, pts).permute(0, 4, 1, 2, 5, 3)
+    fused = weights[..., None] * sampled.reshape(*sampled.shape[:-1], groups, c // groups)
+    return fused.sum(dim=(2, 3)).reshape(bs, anchors, pts, c).sum(2)
+
+
+def bench_daf(quick: bool, reps: int) -> None:
+    from loongkit_ops.kernels import ops
+
+    gen = torch.Generator().manual_seed(0)
+    bs, cams, anchors, pts, c, groups = 1, 6, 900, 13, 256, 8
+    levels = [(64, 176), (32, 88), (16, 44), (8, 22)]
+    maps = [torch.randn(bs, cams, c, h, w, generator=gen).requires_grad_() for h, w in levels]
+    # Most key points land in one or two of the six cameras, the rest outside: like projected anchors.
+    points = (torch.rand(bs, cams, anchors, pts, 2, generator=gen) * 3 - 1).requires_grad_()
+    weights = torch.rand(bs, anchors, cams, len(levels), pts, groups, generator=gen).requires_grad_()
+    grad = torch.randn(bs, anchors, c, generator=gen)
+    hw = [h * w for h, w in levels]
+    shapes = torch.tensor([levels] * cams)
+    offsets = torch.tensor([sum(hw[:i]) for i in range(len(hw))])
+    starts = torch.arange(cams)[:, None] * sum(hw) + offsets
+
+    def base() -> None:
+        daf_grid_sample(maps, points, weights, groups).backward(grad)
+
+    def ours() -> None:
+        feat = torch.cat([t.flatten(3) for t in maps], dim=3).transpose(2, 3).reshape(bs, -1, c)
+        loc = points.permute(0, 2, 3, 1, 4)
+        w = weights.permute(0, 1, 4, 2, 3, 5)
+        ops.deformable_aggregation(feat, shapes, starts, loc, w, False).backward(grad)
+
+    compare("daf_sparse4d_v3_900x13x6cam", base, ours, max(1, reps // 2), rounds=2 if quick else 3)
+
+
+def bench_bev_pool(quick: bool, reps: int) -> None:
+    from loongkit_ops.kernels import ops
+
+    gen = torch.Generator().manual_seed(0)
+    n, c, nx, ny = (500_000 if quick else 2_000_000), 80, 360, 360
+    feats = torch.randn(n, c, generator=gen).requires_grad_()
+    # Camera frustum points crowd near the ego car: a Gaussian around the grid centre, clipped.
+    xy = (torch.randn(n, 2, generator=gen) * 70 + 180).long().clamp(0, 359)
+    coords = torch.cat([xy, torch.zeros(n, 2, dtype=torch.long)], 1)  # (x, y, z=0, batch=0)
+    grad = torch.randn(1, c, 1, nx, ny, generator=gen)
+
+    def cumsum_trick() -> None:
+        ranks = ((coords[:, 0] * ny + coords[:, 1]) * 1 + coords[:, 2]) * 1 + coords[:, 3]
+        order = ranks.argsort()
+        x, geom, r = feats[order], coords[order], ranks[order]
+        x = x.cumsum(0)
+        kept = torch.ones(x.shape[0], dtype=torch.bool)
+        kept[:-1] = r[1:] != r[:-1]
+        x, geom = x[kept], geom[kept]
+        x = torch.cat((x[:1], x[1:] - x[:-1]))
+        out = x.new_zeros(1, c, 1, nx, ny)
+        out[geom[:, 3], :, geom[:, 2], geom[:, 0], geom[:, 1]] = x
+        out.backward(grad)
+
+    def index_add() -> None:
+        voxel = coords[:, 0] * ny + coords[:, 1]
+        out = feats.new_zeros(nx * ny, c).index_add(0, voxel, feats)
+        out.t().reshape(1, c, 1, nx, ny).backward(grad)
+
+    def ours() -> None:
+        ops.bev_pool_op(feats, coords, 1, 1, nx, ny).backward(grad)
+
+    size = f"{n // 1000}kx{c}_{nx}x{ny}"
+    compare(f"bev_pool_vs_cumsum_{size}", cumsum_trick, ours, max(1, reps // 2), rounds=2)
+    compare(f"bev_pool_vs_index_add_{size}", index_add, ours, max(1, reps // 2), rounds=2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="BEVFormer-tiny shapes only, fewer repetitions")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--only", choices=("msda", "dice"), default=None)
+    parser.add_argument("--only", choices=("msda", "dice", "daf", "bev_pool"), default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -134,7 +221,8 @@ def main() -> None:
     import importlib.util
 
     # The baselines are the upstream packages: without them (nox's plain bench venv) say so, exit 0.
-    for part, needs, run in (("msda", "mmcv", bench_msda), ("dice", "mmseg", bench_dice)):
+    for part, needs, run in (("msda", "mmcv", bench_msda), ("dice", "mmseg", bench_dice), ("daf", "torch", bench_daf),
+                             ("bev_pool", "torch", bench_bev_pool)):
         if args.only not in (None, part):
             continue
         if importlib.util.find_spec(needs) is None:

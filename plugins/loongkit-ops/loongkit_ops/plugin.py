@@ -48,12 +48,16 @@ _declare("mmdet_modules", 1, "torch.compile selected modules registered in mmdet
 _declare("dice_loss", 1, "Fused DiceLoss for mmseg.", ("mmseg>=0.12.0,<=1.0.0",), ("mmseg.models.losses.dice_loss",))
 _declare("dice_loss_mmseg1", 1, "Fused DiceLoss for mmseg >= 1.1 (its rewritten loss; LOONGKIT_DICE_LOSS covers 0.x).",
          ("mmseg>=1.1.0",), ("mmseg.models.losses.dice_loss",), impl="loongkit_ops.patches.dice:DiceLossMmseg1")
-_declare("dag", 1, "Fused deformable aggregation for DeformableFeatureAggregation (Sparse4D).")
+_declare("dag", 1, "Fused deformable aggregation for DeformableFeatureAggregation (Sparse4D).", ("torch>=2.4.0",),
+         ("mmengine.registry.registry", "mmcv.utils.registry"), impl="loongkit_ops.patches.dag:SparseDAG")
 _declare("voxelization", 3, "Faster hard_voxelize for mmcv/mmdet3d voxelization.", (), ("mmcv.ops.voxelize",))
-_declare("bevformer", 1, "Fused SpatialCrossAttention / TemporalSelfAttention of BEVFormer.", (),
-         ("mmcv.ops.multi_scale_deform_attn",), impl="loongkit_ops.patches.msda:BevformerMSDA")
-_declare("uniad", 1, "Fused and vectorised modules of UniAD.")
-_declare("bevfusion", 3, "Fused bev_pool and vectorised geometry of BEVFusion.")
+_declare("bevformer", 1, "Fused SpatialCrossAttention / TemporalSelfAttention of BEVFormer.", ("torch>=2.4.0",),
+         ("mmcv.ops.multi_scale_deform_attn", "mmcv.utils.registry", "mmengine.registry.registry"),
+         impl="loongkit_ops.patches.bevformer:Bevformer")
+_declare("uniad", 1, "Fused and vectorised modules of UniAD.", ("torch>=2.4.0",),
+         ("mmcv.utils.registry", "mmengine.registry.registry"), impl="loongkit_ops.patches.uniad:UniAD")
+_declare("bevfusion", 3, "Fused bev_pool of BEVFusion's camera-to-BEV view transforms.", ("torch>=2.4.0",),
+         ("mmengine.registry.registry", "mmcv.utils.registry"), impl="loongkit_ops.patches.bevfusion:BevFusionPool")
 _declare("hf_acc_compile", 3, "torch.compile training with HuggingFace Accelerate (inductor).",
          ("torch==2.10.*",), ("accelerate",), impl="loongkit_ops.compile.hf_accelerate:HFAccCompile")
 _declare("dynamic_shape_fix", 1, "Work around torch 2.9 crashes compiling with dynamic shapes.",

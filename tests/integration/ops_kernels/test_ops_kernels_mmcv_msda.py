@@ -177,12 +177,24 @@ def test_broken_target_is_not_applicable(monkeypatch: pytest.MonkeyPatch) -> Non
         impl.activate(ctx, "fake_msda3")
 
 
-def test_kernel_unavailable_is_not_applicable(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernel_unavailable_keeps_upstream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel is built at the first eligible call; when it cannot be, upstream's code runs."""
+    import sys
+
     monkeypatch.setattr(kernels, "load", lambda: None)
     monkeypatch.setattr(kernels, "failure", lambda: "RuntimeError: no compiler")
     impl, ctx = activation()
-    with pytest.raises(NotApplicable, match="no compiler"):
-        impl.activate(ctx, "mmcv.ops.multi_scale_deform_attn")
+    impl.activate(ctx, "mmcv.ops.multi_scale_deform_attn")
+    try:
+        module = sys.modules["mmcv.ops.multi_scale_deform_attn"]
+        patched = module.multi_scale_deformable_attn_pytorch
+        original = patched.__loongkit_original__
+        value = torch.randn(1, 20, 2, 4)
+        args = (value, torch.tensor([[4, 5]]), torch.rand(1, 6, 2, 1, 2, 2), torch.rand(1, 6, 2, 1, 2))
+        torch.testing.assert_close(patched(*args), original(*args), rtol=0, atol=0)
+        assert ctx.record.calls == 0 and "no compiler" in ctx.record.reason
+    finally:
+        impl.deactivate(ctx)
 
 
 RUN = """

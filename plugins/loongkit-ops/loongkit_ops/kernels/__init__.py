@@ -27,7 +27,7 @@ __all__ = ["CACHE_ENV", "EXTENSION", "failure", "load", "main"]
 EXTENSION = Extension(
     name="loongkit_ops_kernels",
     directory=Path(__file__).with_name("cpu"),
-    sources=("bindings.cpp", "msda.cpp", "dice.cpp"),
+    sources=("bindings.cpp", "msda.cpp", "dice.cpp", "daf.cpp", "bev_pool.cpp"),
     headers=("kernels.h",),
     cflags=("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c++17"),
     ldflags=("-fopenmp",),

@@ -3,7 +3,8 @@
 Each op picks its backend per call: the compiled C++ kernel for float32/float64 CPU tensors, the
 Triton kernel for CUDA tensors (when triton imports), otherwise the reference implementation
 (:mod:`loongkit_ops.kernels.reference`, same maths in plain torch), so an op never fails because a
-kernel is missing. :func:`msda_backend` / :func:`dice_backend` say which one a tensor gets, and why.
+kernel is missing. :func:`msda_backend`, :func:`dice_backend`, :func:`daf_backend` and
+:func:`bev_pool_backend` say which one a tensor gets, and why.
 
 Being custom ops (not autograd.Functions), they are opaque single nodes to torch.compile: dynamo and
 AOTAutograd trace them through their fake impls, without graph breaks.
@@ -204,3 +205,184 @@ def _dice_backward(ctx: Any, grad_stats: Tensor) -> tuple[Tensor | None, ...]:
 
 
 dice_stats_op.register_autograd(_dice_backward, setup_context=_dice_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------
+# Deformable aggregation (Sparse4D / SparseDrive)
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_daf() -> Any:
+    from loongkit_ops.kernels.triton import available
+
+    if not available():
+        return None
+    try:
+        from loongkit_ops.kernels.triton import daf
+    except Exception as exc:  # a broken triton install: keep the reference path
+        kernels.build.log.warning("triton kernels unavailable", reason=f"{type(exc).__name__}: {exc}")
+        return None
+    return daf
+
+
+def daf_backend(mc_ms_feat: Tensor) -> tuple[str, str]:
+    """(backend, reason) for a feature tensor: 'cpu', 'triton' or 'reference'."""
+    if mc_ms_feat.device.type == "cpu":
+        if mc_ms_feat.dtype not in _CPU_DTYPES:
+            return "reference", f"CPU kernel takes float32/float64, not {mc_ms_feat.dtype}"
+        if kernels.load() is None:
+            return "reference", f"CPU kernel unavailable: {kernels.failure()}"
+        return "cpu", ""
+    if mc_ms_feat.device.type == "cuda":
+        if mc_ms_feat.dtype not in _GPU_DTYPES:
+            return "reference", f"Triton kernel does not take {mc_ms_feat.dtype}"
+        if _triton_daf() is None:
+            return "reference", "triton is not installed"
+        return "triton", ""
+    return "reference", f"no kernel for device {mc_ms_feat.device.type}"
+
+
+def _daf_index_args(spatial_shape: Tensor, scale_start_index: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
+    return (spatial_shape.to(device=device, dtype=torch.int64).contiguous(),
+            scale_start_index.to(device=device, dtype=torch.int64).contiguous())
+
+
+@torch.library.custom_op("loongkit::deformable_aggregation", mutates_args=())
+def deformable_aggregation_op(mc_ms_feat: Tensor, spatial_shape: Tensor, scale_start_index: Tensor,
+                              sampling_location: Tensor, weights: Tensor, inside_only: bool) -> Tensor:
+    """[bs, anchors, C]: Sparse4D's deformable aggregation (see reference.deformable_aggregation)."""
+    backend, _ = daf_backend(mc_ms_feat)
+    if backend == "reference":
+        return reference.deformable_aggregation(mc_ms_feat, spatial_shape, scale_start_index, sampling_location,
+                                                weights, inside_only)
+    feat, loc, w = mc_ms_feat.contiguous(), sampling_location.contiguous(), weights.contiguous()
+    shapes, starts = _daf_index_args(spatial_shape, scale_start_index, feat.device)
+    if backend == "triton":
+        return _triton_daf().forward(feat, shapes, starts, loc, w, inside_only)
+    out = feat.new_empty(feat.shape[0], loc.shape[1], feat.shape[2])
+    kernels.load().daf_forward(feat, shapes, starts, loc, w, inside_only, out)
+    return out
+
+
+@deformable_aggregation_op.register_fake
+def _(mc_ms_feat: Tensor, spatial_shape: Tensor, scale_start_index: Tensor, sampling_location: Tensor,
+      weights: Tensor, inside_only: bool) -> Tensor:
+    torch._check(mc_ms_feat.dim() == 3 and sampling_location.dim() == 5 and weights.dim() == 6)
+    return mc_ms_feat.new_empty(mc_ms_feat.shape[0], sampling_location.shape[1], mc_ms_feat.shape[2])
+
+
+@torch.library.custom_op("loongkit::deformable_aggregation_backward", mutates_args=())
+def deformable_aggregation_backward_op(grad_output: Tensor, mc_ms_feat: Tensor, spatial_shape: Tensor,
+                                       scale_start_index: Tensor, sampling_location: Tensor, weights: Tensor,
+                                       inside_only: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_mc_ms_feat, grad_sampling_location, grad_weights)."""
+    backend, _ = daf_backend(mc_ms_feat)
+    if backend == "reference":
+        _, vjp = torch.func.vjp(
+            lambda f, lc, w: reference.deformable_aggregation(f, spatial_shape, scale_start_index, lc, w, inside_only),
+            mc_ms_feat, sampling_location, weights)
+        return tuple(g.contiguous() for g in vjp(grad_output))  # type: ignore[return-value]
+    feat, loc, w = mc_ms_feat.contiguous(), sampling_location.contiguous(), weights.contiguous()
+    grad_output = grad_output.contiguous()
+    shapes, starts = _daf_index_args(spatial_shape, scale_start_index, feat.device)
+    if backend == "triton":
+        return _triton_daf().backward(grad_output, feat, shapes, starts, loc, w, inside_only)
+    grad_feat = torch.zeros_like(feat)
+    grad_loc = torch.empty_like(loc)
+    grad_w = torch.empty_like(w)
+    kernels.load().daf_backward(feat, shapes, starts, loc, w, inside_only, grad_output, grad_feat, grad_loc, grad_w)
+    return grad_feat, grad_loc, grad_w
+
+
+@deformable_aggregation_backward_op.register_fake
+def _(grad_output: Tensor, mc_ms_feat: Tensor, spatial_shape: Tensor, scale_start_index: Tensor,
+      sampling_location: Tensor, weights: Tensor, inside_only: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return (torch.empty_like(mc_ms_feat, memory_format=torch.contiguous_format),
+            torch.empty_like(sampling_location, memory_format=torch.contiguous_format),
+            torch.empty_like(weights, memory_format=torch.contiguous_format))
+
+
+def _daf_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    ctx.save_for_backward(*inputs[:5])
+    ctx.inside_only = inputs[5]
+
+
+def _daf_backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+    feat, shapes, starts, loc, w = ctx.saved_tensors
+    grad_feat, grad_loc, grad_w = deformable_aggregation_backward_op(grad_output, feat, shapes, starts, loc, w,
+                                                                     ctx.inside_only)
+    return grad_feat, None, None, grad_loc, grad_w, None
+
+
+deformable_aggregation_op.register_autograd(_daf_backward, setup_context=_daf_setup_context)
+
+
+def deformable_aggregation(mc_ms_feat: Tensor, spatial_shape: Tensor, scale_start_index: Tensor,
+                           sampling_location: Tensor, weights: Tensor, inside_only: bool = True) -> Tensor:
+    """The op with the upstream function's conventions: locations and weights cast to the features' dtype."""
+    return deformable_aggregation_op(mc_ms_feat, spatial_shape, scale_start_index,
+                                     sampling_location.to(mc_ms_feat.dtype), weights.to(mc_ms_feat.dtype),
+                                     inside_only)
+
+
+# ------------------------------------------------------------------------------------------------
+# BEV pooling (BEVFusion)
+
+
+def bev_pool_backend(feats: Tensor) -> tuple[str, str]:
+    """(backend, reason): 'cpu' or 'reference' (on GPUs index_add is already a fused scatter)."""
+    if feats.device.type != "cpu":
+        return "reference", f"no bev_pool kernel for device {feats.device.type}"
+    if feats.dtype not in _CPU_DTYPES:
+        return "reference", f"CPU kernel takes float32/float64, not {feats.dtype}"
+    if kernels.load() is None:
+        return "reference", f"CPU kernel unavailable: {kernels.failure()}"
+    return "cpu", ""
+
+
+@torch.library.custom_op("loongkit::bev_pool", mutates_args=())
+def bev_pool_op(feats: Tensor, coords: Tensor, B: int, Z: int, X: int, Y: int) -> Tensor:
+    """[B, C, Z, X, Y]: sums of feats [N, C] per voxel coords [N, 4] = (x, y, z, batch)."""
+    if bev_pool_backend(feats)[0] == "reference":
+        return reference.bev_pool(feats, coords, B, Z, X, Y)
+    out = feats.new_empty(B, Z, X, Y, feats.shape[1])
+    kernels.load().bev_pool_forward(feats.contiguous(), coords.to(torch.int64).contiguous(), B, Z, X, Y, out)
+    return out.permute(0, 4, 1, 2, 3).contiguous()
+
+
+@bev_pool_op.register_fake
+def _(feats: Tensor, coords: Tensor, B: int, Z: int, X: int, Y: int) -> Tensor:
+    torch._check(feats.dim() == 2 and coords.dim() == 2)
+    return feats.new_empty(B, feats.shape[1], Z, X, Y)
+
+
+@torch.library.custom_op("loongkit::bev_pool_backward", mutates_args=())
+def bev_pool_backward_op(grad_output: Tensor, coords: Tensor, B: int, Z: int, X: int, Y: int) -> Tensor:
+    """grad_feats [N, C]: each point's voxel row of grad_output [B, C, Z, X, Y] (zero when dropped)."""
+    if bev_pool_backend(grad_output)[0] == "reference":
+        c = grad_output.shape[1]
+        feats = grad_output.new_zeros(coords.shape[0], c)
+        _, vjp = torch.func.vjp(lambda f: reference.bev_pool(f, coords, B, Z, X, Y), feats)
+        return vjp(grad_output)[0].contiguous()
+    grad_cl = grad_output.permute(0, 2, 3, 4, 1).contiguous()
+    grad = grad_output.new_empty(coords.shape[0], grad_output.shape[1])
+    kernels.load().bev_pool_backward(grad_cl, coords.to(torch.int64).contiguous(), B, Z, X, Y, grad)
+    return grad
+
+
+@bev_pool_backward_op.register_fake
+def _(grad_output: Tensor, coords: Tensor, B: int, Z: int, X: int, Y: int) -> Tensor:
+    return grad_output.new_empty(coords.shape[0], grad_output.shape[1])
+
+
+def _bev_pool_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    ctx.save_for_backward(inputs[1])
+    ctx.grid = inputs[2:]
+
+
+def _bev_pool_backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+    (coords,) = ctx.saved_tensors
+    return bev_pool_backward_op(grad_output, coords, *ctx.grid), None, None, None, None, None
+
+
+bev_pool_op.register_autograd(_bev_pool_backward, setup_context=_bev_pool_setup_context)

@@ -66,3 +66,60 @@ def dice_stats(logits: Tensor, target: Tensor, activation: int, drop_class: int,
     b = ((p if naive else p * p) * keep).sum((1, 2))
     t = (onehot * keep).sum((1, 2))
     return torch.stack([a, b, t], 1).reshape(n, 3)
+
+
+def deformable_aggregation(mc_ms_feat: Tensor, spatial_shape: Tensor, scale_start_index: Tensor,
+                           sampling_location: Tensor, weights: Tensor, inside_only: bool = True) -> Tensor:
+    """Sparse4D's deformable aggregation by explicit gathers of the four bilinear corners.
+
+    mc_ms_feat [bs, num_feat, C] (camera-major, then level, row-major H*W); spatial_shape [cams,
+    levels, 2] as (H, W); scale_start_index [cams, levels]; sampling_location [bs, anchors, pts,
+    cams, 2] as (x, y) in [0, 1]; weights [bs, anchors, pts, cams, levels, groups]. Channel c is
+    weighted by group c // (C / groups). Pixel coordinate u*S - 0.5, out-of-map corners read zero.
+    inside_only: a sample whose x or y is not strictly inside (0, 1) contributes nothing (the
+    upstream CUDA kernel's rule); otherwise every location is sampled like grid_sample.
+    Returns [bs, anchors, C].
+    """
+    bs, _, C = mc_ms_feat.shape
+    _, A, P, cams, _ = sampling_location.shape
+    levels, groups = weights.shape[4], weights.shape[5]
+    shapes = [[(int(h), int(w)) for h, w in row] for row in spatial_shape.tolist()]
+    starts = [[int(s) for s in row] for row in scale_start_index.reshape(cams, levels).tolist()]
+    x, y = sampling_location[..., 0], sampling_location[..., 1]  # [bs, A, P, cams]
+    keep = (x > 0) & (x < 1) & (y > 0) & (y < 1) if inside_only else torch.ones_like(x, dtype=torch.bool)
+    out = mc_ms_feat.new_zeros(bs, A, groups, C // groups)
+    for cam in range(cams):
+        for level in range(levels):
+            h_l, w_l = shapes[cam][level]
+            fm = mc_ms_feat[:, starts[cam][level]:starts[cam][level] + h_l * w_l]  # [bs, HW, C]
+            px = x[..., cam] * w_l - 0.5  # [bs, A, P]
+            py = y[..., cam] * h_l - 0.5
+            # NaN or far locations never select a corner; their index is clamped only to stay legal.
+            x0 = torch.floor(px.detach().nan_to_num(-10).clamp(-10, w_l + 10))
+            y0 = torch.floor(py.detach().nan_to_num(-10).clamp(-10, h_l + 10))
+            sample = mc_ms_feat.new_zeros(bs, A, P, C)
+            for dy in (0.0, 1.0):
+                for dx in (0.0, 1.0):
+                    xi, yi = x0 + dx, y0 + dy
+                    inside = (xi >= 0) & (xi < w_l) & (yi >= 0) & (yi < h_l) & keep[..., cam]
+                    weight = torch.where(inside, (1 - (px - xi).abs()) * (1 - (py - yi).abs()), 0.0)
+                    index = (yi.clamp(0, h_l - 1) * w_l + xi.clamp(0, w_l - 1)).long().reshape(bs, A * P, 1)
+                    corner = torch.gather(fm, 1, index.expand(-1, -1, C)).reshape(bs, A, P, C)
+                    sample = sample + weight[..., None] * corner
+            w = weights[:, :, :, cam, level]  # [bs, A, P, groups]
+            out = out + (sample.reshape(bs, A, P, groups, C // groups) * w[..., None]).sum(2)
+    return out.reshape(bs, A, C)
+
+
+def bev_pool(feats: Tensor, coords: Tensor, B: int, Z: int, X: int, Y: int) -> Tensor:
+    """BEVFusion's bev_pool: sum of feats [N, C] per voxel coords [N, 4] = (x, y, z, batch) -> [B, C, Z, X, Y].
+
+    Points outside the grid are dropped. Written as an index_add over flattened voxels (no sort).
+    """
+    C = feats.shape[1]
+    x, y, z, b = coords.long().unbind(1)
+    inside = (x >= 0) & (x < X) & (y >= 0) & (y < Y) & (z >= 0) & (z < Z) & (b >= 0) & (b < B)
+    voxel = ((b * Z + z) * X + x) * Y + y
+    out = feats.new_zeros(B * Z * X * Y, C)
+    out = out.index_add(0, voxel[inside], feats[inside])
+    return out.reshape(B, Z, X, Y, C).permute(0, 4, 1, 2, 3).contiguous()

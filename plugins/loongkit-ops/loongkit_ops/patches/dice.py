@@ -68,13 +68,11 @@ class DiceLossMmseg1(FeatureImpl):
         problem = interface_problem(module)
         if problem:
             raise NotApplicable(problem)
-        from loongkit_ops import kernels
-
-        if kernels.load() is None:
-            raise NotApplicable(f"CPU kernel unavailable: {kernels.failure()}")
         import torch
 
+        from loongkit_ops import kernels
         from loongkit_ops.kernels import ops
+        from loongkit_ops.patches.msda import _kernel_ready
 
         cls = module.DiceLoss
         original = cls.forward
@@ -89,7 +87,8 @@ class DiceLossMmseg1(FeatureImpl):
 
         def forward(self: Any, pred: Any, target: Any, weight: Any = None, avg_factor: Any = None,
                     reduction_override: Any = None, ignore_index: Any = 255, **kwargs: Any) -> Any:
-            if unsupported(self, pred, target):
+            # The kernel is built at the first eligible call (not when mmseg is imported).
+            if unsupported(self, pred, target) or not _kernel_ready(kernels, record):
                 return original(self, pred, target, weight, avg_factor, reduction_override, ignore_index, **kwargs)
             assert reduction_override in (None, "none", "mean", "sum")
             reduction = reduction_override if reduction_override else self.reduction

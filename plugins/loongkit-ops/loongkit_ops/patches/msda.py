@@ -53,38 +53,65 @@ def interface_problem(module: Any) -> str | None:
     return None
 
 
+def _kernel_ready(kernels: Any, record: Any) -> bool:
+    if kernels.load() is not None:
+        return True
+    reason = f"CPU kernel unavailable: {kernels.failure()}; upstream code kept"
+    if record.reason != reason:
+        record.reason = reason
+    return False
+
+
+def fused_dispatcher(original: Any, record: Any) -> Any:
+    """A drop-in for ``multi_scale_deformable_attn_pytorch``: float32/float64 CPU tensors go to
+    ``loongkit::ms_deform_attn`` (``record.calls`` counts them), anything else to ``original``."""
+    import torch
+
+    from loongkit_ops import kernels
+    from loongkit_ops.kernels import ops
+
+    fused_dtypes = (torch.float32, torch.float64)
+
+    def multi_scale_deformable_attn_pytorch(value: Any, value_spatial_shapes: Any, sampling_locations: Any,
+                                            attention_weights: Any) -> Any:
+        # The kernel is built at the first eligible call, not at import: every mmdet program imports
+        # this module; a failed build keeps upstream's code (the reason goes to the Summary).
+        if (isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dtype in fused_dtypes
+                and value.dim() == 4 and sampling_locations.dim() == 6 and _kernel_ready(kernels, record)):
+            shapes = torch.as_tensor(value_spatial_shapes, dtype=torch.int64, device="cpu")
+            areas = shapes[:, 0] * shapes[:, 1]
+            starts = torch.cat([areas.new_zeros(1), areas.cumsum(0)[:-1]])
+            record.calls += 1
+            return ops.ms_deform_attn_op(value, shapes, starts, sampling_locations.to(value.dtype),
+                                         attention_weights.to(value.dtype))
+        return original(value, value_spatial_shapes, sampling_locations, attention_weights)
+
+    multi_scale_deformable_attn_pytorch.__doc__ = original.__doc__
+    multi_scale_deformable_attn_pytorch.__loongkit_original__ = original  # type: ignore[attr-defined]
+    return multi_scale_deformable_attn_pytorch
+
+
+def function_problem(fn: Any) -> str | None:
+    """None when ``fn`` has ``multi_scale_deformable_attn_pytorch``'s parameters, else what differs."""
+    if not callable(fn):
+        return f"{FUNCTION} is not callable"
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return f"cannot read the signature of {FUNCTION}"
+    if params != FUNCTION_PARAMS:
+        return f"{FUNCTION}{tuple(params)}, expected {tuple(FUNCTION_PARAMS)}"
+    return None
+
+
 class BevformerMSDA(FeatureImpl):
     def activate(self, ctx: ActivationContext, target: str | None) -> None:
         module = sys.modules[target or TARGET]
         problem = interface_problem(module)
         if problem:
             raise NotApplicable(problem)
-        from loongkit_ops import kernels
-
-        if kernels.load() is None:
-            raise NotApplicable(f"CPU kernel unavailable: {kernels.failure()}")
-        import torch
-
-        from loongkit_ops.kernels import ops
-
         original = getattr(module, FUNCTION)
-        record = ctx.record
-        fused_dtypes = (torch.float32, torch.float64)
-
-        def multi_scale_deformable_attn_pytorch(value: Any, value_spatial_shapes: Any, sampling_locations: Any,
-                                                attention_weights: Any) -> Any:
-            if (isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dtype in fused_dtypes
-                    and value.dim() == 4 and sampling_locations.dim() == 6):
-                shapes = torch.as_tensor(value_spatial_shapes, dtype=torch.int64, device="cpu")
-                areas = shapes[:, 0] * shapes[:, 1]
-                starts = torch.cat([areas.new_zeros(1), areas.cumsum(0)[:-1]])
-                record.calls += 1
-                return ops.ms_deform_attn_op(value, shapes, starts, sampling_locations.to(value.dtype),
-                                             attention_weights.to(value.dtype))
-            return original(value, value_spatial_shapes, sampling_locations, attention_weights)
-
-        multi_scale_deformable_attn_pytorch.__doc__ = original.__doc__
-        multi_scale_deformable_attn_pytorch.__loongkit_original__ = original  # type: ignore[attr-defined]
+        multi_scale_deformable_attn_pytorch = fused_dispatcher(original, ctx.record)
         ctx.patcher.patch(module, FUNCTION, multi_scale_deformable_attn_pytorch)
         ctx.set_config({"mmcv.MultiScaleDeformableAttention": "loongkit::ms_deform_attn (CPU)"})
         ctx.log.info("mmcv MultiScaleDeformableAttention uses the fused CPU op", target=module.__name__)

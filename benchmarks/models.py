@@ -1,0 +1,173 @@
+"""LOONGKIT_BEVFORMER / LOONGKIT_UNIAD model blocks, upstream-style module vs patched, same run, CPU.
+
+- ``bevformer_tiny_encoder_attn``: one BEVFormer-tiny encoder layer's attentions, TSA then SCA,
+  forward+backward, batch 1: BEV 50x50, 256 dims, 8 heads, TSA 4 points over [previous, current] BEV,
+  SCA over 6 cameras (one 15x25 level, 4 Z anchors x 2 points = MSDeformableAttention3D's 8 points),
+  each camera seeing a 70-degree sector. Full mode adds the base camera levels (116x200 .. 15x25).
+- ``uniad_collision_loss``: UniAD's CollisionLoss on 6 future steps x ~40 GT boxes (nuScenes-like).
+
+The upstream-style modules are the test modules in ``tests/unit/ops_models/`` (written from the
+published algorithms; mmcv's ``multi_scale_deformable_attn_pytorch`` when mmcv is installed, else an
+equivalent grid_sample path), registered in an mmcv 1.x Registry double like a user's project. The
+feature is switched on and off between rounds, so both sides see the same machine state.
+
+Prints ``BENCH <name> baseline=<s> ours=<s> ratio=<b/o>`` (median seconds per call).
+
+    python benchmarks/models.py --quick     # < 1 minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+UNIT = Path(__file__).parents[1] / "tests" / "unit" / "ops_models"
+
+
+def _load(name: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(f"lk_bench_{name}", UNIT / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def median_time(fn: Callable[[], Any], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+class Switch:
+    """LOONGKIT_<feature> on the registry double, as the runtime would activate it."""
+
+    def __init__(self, name: str, target: str) -> None:
+        from loongkit_ops.plugin import plugin
+
+        from loongkit_core.context import ActivationContext
+        from loongkit_core.feature import FeatureRecord
+        from loongkit_core.log import get_logger
+
+        feature = next(f for f in plugin.loongkit_declare_features() if f.name == name)
+        self.impl = plugin.impl(feature).__class__(feature)
+        self.ctx = ActivationContext(FeatureRecord(feature), None, get_logger("bench"),  # type: ignore[arg-type]
+                                     lambda module, cb: cb(sys.modules[module]))
+        self.target = target
+
+    def on(self) -> None:
+        self.impl.activate(self.ctx, self.target)
+
+    def off(self) -> None:
+        self.impl.deactivate(self.ctx)
+
+
+def compare(name: str, fn: Callable[[], Any], switch: Switch, reps: int, rounds: int) -> None:
+    fn()
+    switch.on()
+    fn()  # warm-up both paths (kernel load, first allocations)
+    switch.off()
+    base, ours = [], []
+    for _ in range(rounds):
+        base.append(median_time(fn, reps))
+        switch.on()
+        try:
+            ours.append(median_time(fn, reps))
+        finally:
+            switch.off()
+    tb, to = min(base), min(ours)
+    print(f"BENCH {name} baseline={tb:.6f} ours={to:.6f} ratio={tb / to:.2f}", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions, tiny shapes only (< 1 minute)")
+    args = parser.parse_args()
+    reps, rounds = (2, 2) if args.quick else (5, 3)
+
+    from loongkit_ops import kernels
+
+    if kernels.load() is None:
+        print(f"loongkit-ops kernels unavailable: {kernels.failure()}", file=sys.stderr)
+        return 1
+    kit = _load("models_testkit")
+    double = _load("mmcv1_registry_double")
+    target = "mmcv.utils.registry"
+    fake = types.ModuleType(target)
+    fake.Registry = double.Registry  # type: ignore[attr-defined]
+    for parent in ("mmcv", "mmcv.utils"):
+        sys.modules.setdefault(parent, types.ModuleType(parent))
+    sys.modules[target] = fake
+    _, uni = kit.install_projects(double.Registry("attention"), double.Registry("loss"), uniad=True)
+    bev = sys.modules["lk_upstream_bevformer"]
+
+    gen = torch.Generator().manual_seed(0)
+    cases = [("bevformer_tiny_encoder_attn", [(15, 25)])]
+    if not args.quick:
+        cases.append(("bevformer_base_levels_encoder_attn", [(116, 200), (58, 100), (29, 50), (15, 25)]))
+    for name, levels in cases:
+        cfg = {"type": "MSDeformableAttention3D", "embed_dims": 256, "num_points": 8, "num_levels": len(levels)}
+        sca = bev.SpatialCrossAttention(embed_dims=256, num_cams=6, dropout=0.0, deformable_attention=cfg)
+        tsa = bev.TemporalSelfAttention(embed_dims=256, num_levels=1, dropout=0.0)
+        kit.randomise(sca, gen)
+        kit.randomise(tsa, gen)
+        cam = kit.camera_inputs(1, torch.float32, gen, levels)
+        tmp = kit.tsa_inputs(1, torch.float32, gen)
+
+        def layer(sca: Any = sca, tsa: Any = tsa, cam: dict = cam, tmp: dict = tmp) -> None:
+            query = tmp["query"].clone().requires_grad_()
+            feat = cam["feat"].clone().requires_grad_()
+            x = tsa(query, None, tmp["value"], query_pos=tmp["query_pos"], reference_points=tmp["reference_points"],
+                    spatial_shapes=tmp["spatial_shapes"], level_start_index=tmp["level_start_index"])
+            kv = feat.permute(0, 2, 1, 3)
+            x = sca(x, kv, kv, query_pos=tmp["query_pos"], reference_points_cam=cam["reference_points_cam"],
+                    bev_mask=cam["bev_mask"], spatial_shapes=cam["spatial_shapes"],
+                    level_start_index=cam["level_start_index"])
+            x.square().mean().backward()
+
+        compare(name, layer, Switch("bevformer", target), reps, rounds)
+
+    loss = uni.CollisionLoss(delta=0.5, weight=1.0)
+    traj = torch.randn(1, 6, 2, generator=gen) * 3
+    plan = torch.randn(1, 6, 3, generator=gen)
+    boxes = []
+    for step in range(6):
+        n = 40
+        centre = traj[0, step] + torch.randn(n, 2, generator=gen) * 8
+        dims = torch.rand(n, 3, generator=gen) * 4 + 0.5
+        yaw = torch.rand(n, 1, generator=gen) * 6.28
+        boxes.append(_boxes(torch.cat([centre, torch.zeros(n, 1), dims, yaw], 1)))
+    compare("uniad_collision_loss", lambda: loss(traj, plan, torch.ones(1, 6), boxes), Switch("uniad", target),
+            reps * 5, rounds)
+    return 0
+
+
+class _Boxes:
+    """mmdet3d LiDARInstance3DBoxes' ``tensor`` and ``corners`` (corners precomputed: not what is timed)."""
+
+    def __init__(self, tensor: torch.Tensor, corners: torch.Tensor) -> None:
+        self.tensor, self.corners = tensor, corners
+
+
+def _boxes(tensor: torch.Tensor) -> _Boxes:
+    unit = torch.tensor([[0, 0, 0], [0, 0, 1], [0, 1, 1], [0, 1, 0], [1, 0, 0], [1, 0, 1], [1, 1, 1], [1, 1, 0]],
+                        dtype=tensor.dtype) - torch.tensor([0.5, 0.5, 0.0])
+    local = tensor[:, None, 3:6] * unit[None]
+    c, s = tensor[:, 6].cos()[:, None], tensor[:, 6].sin()[:, None]
+    xy = torch.stack([local[..., 0] * c - local[..., 1] * s, local[..., 0] * s + local[..., 1] * c], -1)
+    return _Boxes(tensor, torch.cat([xy, local[..., 2:]], -1) + tensor[:, None, :3])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

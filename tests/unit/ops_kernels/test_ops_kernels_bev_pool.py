@@ -1,0 +1,122 @@
+"""loongkit::bev_pool: C++ kernel vs the fp64 reference, gradcheck, opcheck, torch.compile, fallback.
+
+Fresh random inputs every run (seed printed on failure); outputs poisoned with NaN before each call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from loongkit_ops import kernels
+from loongkit_ops.kernels import ops, reference
+
+SEED = int(torch.seed() % 2**31)
+# (points, channels, B, Z, X, Y)
+CASES = [(1, 3, 1, 1, 2, 2), (200, 5, 2, 3, 4, 5), (5000, 17, 1, 1, 30, 20), (300, 8, 3, 2, 1, 7)]
+
+
+@pytest.fixture(scope="module")
+def ext() -> Any:
+    module = kernels.load()
+    assert module is not None, kernels.failure()
+    return module
+
+
+def make(case: tuple, dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    n, c, b, z, x, y = case
+    feats = torch.randn(n, c, generator=gen, dtype=dtype)
+    # Coordinates one beyond each side of the grid too: those points must be dropped.
+    coords = torch.stack([torch.randint(-1, d + 1, (n,), generator=gen) for d in (x, y, z, b)], 1)
+    return feats, coords
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_kernel_matches_reference(ext: Any, dtype: torch.dtype, case: tuple, threads: int) -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    feats, coords = make(case, dtype, gen)
+    _, c, b, z, x, y = case
+    expected = reference.bev_pool(feats.double(), coords, b, z, x, y)  # [B, C, Z, X, Y]
+    grad = torch.randn(b, z, x, y, c, generator=gen, dtype=dtype)  # channel-last, as the kernel takes it
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.full((b, z, x, y, c), float("nan"), dtype=dtype)
+        ext.bev_pool_forward(feats, coords, b, z, x, y, out)
+        gf = torch.full_like(feats, float("nan"))
+        ext.bev_pool_backward(grad, coords, b, z, x, y, gf)
+    finally:
+        torch.set_num_threads(before)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
+    torch.testing.assert_close(out.permute(0, 4, 1, 2, 3).double(), expected, **tol,
+                               msg=lambda m: f"out seed {SEED}: {m}")
+    inside = ((coords >= 0) & (coords < torch.tensor([x, y, z, b]))).all(1)
+    gathered = grad.permute(0, 4, 1, 2, 3)[coords[:, 3].clamp(0, b - 1), :, coords[:, 2].clamp(0, z - 1),
+                                           coords[:, 0].clamp(0, x - 1), coords[:, 1].clamp(0, y - 1)]
+    torch.testing.assert_close(gf, torch.where(inside[:, None], gathered, 0.0), rtol=0, atol=0)
+
+
+def test_sum_order_is_point_order_for_any_thread_count(ext: Any) -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    feats, coords = make(CASES[2], torch.float32, gen)
+    outs = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = torch.empty(1, 1, 30, 20, 17)
+            ext.bev_pool_forward(feats, coords, 1, 1, 30, 20, out)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_op_autograd_gradcheck_and_opcheck(ext: Any) -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    feats, coords = make(CASES[1], torch.float64, gen)
+    assert torch.autograd.gradcheck(lambda f: ops.bev_pool_op(f, coords, 2, 3, 4, 5), [feats.requires_grad_()])
+    for dtype in (torch.float32, torch.float64):
+        f, cd = make(CASES[1], dtype, gen)
+        torch.library.opcheck(ops.bev_pool_op, (f.requires_grad_(), cd, 2, 3, 4, 5))
+        torch.library.opcheck(ops.bev_pool_backward_op, (torch.randn(2, 5, 3, 4, 5, dtype=dtype), cd, 2, 3, 4, 5))
+
+
+def test_op_int32_coords_and_layout(ext: Any) -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    feats, coords = make(CASES[1], torch.float32, gen)
+    out = ops.bev_pool_op(feats, coords.int(), 2, 3, 4, 5)
+    assert out.shape == (2, 5, 3, 4, 5) and out.is_contiguous()
+    torch.testing.assert_close(out, reference.bev_pool(feats, coords, 2, 3, 4, 5))
+
+
+def test_torch_compile_fullgraph(ext: Any) -> None:
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(SEED)
+    feats, coords = make(CASES[1], torch.float32, gen)
+
+    def block(f: torch.Tensor) -> torch.Tensor:
+        return torch.cat(ops.bev_pool_op(f.relu(), coords, 2, 3, 4, 5).unbind(2), 1).square().sum()
+
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    a, b = feats.clone().requires_grad_(), feats.clone().requires_grad_()
+    block(a).backward()
+    compiled(b).backward()
+    torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_reference_fallback_when_kernel_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "load", lambda: None)
+    monkeypatch.setattr(kernels, "failure", lambda: "RuntimeError: no compiler")
+    gen = torch.Generator().manual_seed(SEED)
+    feats, coords = make(CASES[1], torch.float64, gen)
+    assert ops.bev_pool_backend(feats) == ("reference", "CPU kernel unavailable: RuntimeError: no compiler")
+    f = feats.clone().requires_grad_()
+    out = ops.bev_pool_op(f, coords, 2, 3, 4, 5)
+    out.backward(torch.ones_like(out))
+    inside = ((coords >= 0) & (coords < torch.tensor([4, 5, 3, 2]))).all(1)
+    torch.testing.assert_close(f.grad, inside[:, None].double().expand(-1, 5).contiguous())
+    torch.testing.assert_close(out, reference.bev_pool(feats, coords, 2, 3, 4, 5))
