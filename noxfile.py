@@ -8,6 +8,7 @@
             torchvision; PyPI's torchvision does not load beside torch 2.13.0)
 - lint    : ruff
 - bench   : every benchmark in --quick mode, writing bench-out/bench.md
+- main    : README command 1, the mmdet 3.x detection example under `loongkit compare` (not a test)
 
 torch is always pinned (==2.13.0 takes the local CPU wheel here; an unpinned torch would fetch a
 multi-GB CUDA build). mmcv with ops is built from source once and its wheel cached outside the clone
@@ -51,16 +52,21 @@ def tests(session: nox.Session) -> None:
     session.run("python", "benchmarks/startup.py", "--quick", "--check-ms", "20")
 
 
-def _mmcv_wheel(session: nox.Session, version: str) -> str:
-    """Path of a cached mmcv wheel with CPU ops; build it (~8 min on 2 cores) when missing."""
-    WHEELS.mkdir(parents=True, exist_ok=True)
-    found = sorted(WHEELS.glob(f"mmcv-{version}-*.whl"))
+def _mmcv_wheel(session: nox.Session, version: str, cuda: bool = False) -> str:
+    """Path of a cached mmcv wheel with CPU ops (with CUDA ops too when ``cuda``, kept apart in
+    WHEELS/cuda); build it (~8 min on 2 cores for CPU ops) when missing."""
+    cache = WHEELS / "cuda" if cuda else WHEELS
+    cache.mkdir(parents=True, exist_ok=True)
+    found = sorted(cache.glob(f"mmcv-{version}-*.whl"))
     if not found:
-        session.log(f"building mmcv {version} with CPU ops into {WHEELS} (one time, ~8 minutes)")
+        session.log(f"building mmcv {version} with {'CUDA and ' if cuda else ''}CPU ops into {cache} "
+                    "(one time, ~8 minutes on 2 cores)")
         session.install("ninja", "psutil", "mmengine==0.10.7")
-        session.run("pip", "wheel", "--no-build-isolation", "--no-deps", f"mmcv=={version}", "-w", str(WHEELS),
-                    env={"MMCV_WITH_OPS": "1", "FORCE_CUDA": "0", "MAX_JOBS": str(os.cpu_count() or 2)})
-        found = sorted(WHEELS.glob(f"mmcv-{version}-*.whl"))
+        session.run("pip", "wheel", "--no-cache-dir", "--no-build-isolation", "--no-deps", f"mmcv=={version}",
+                    "-w", str(cache),
+                    env={"MMCV_WITH_OPS": "1", "FORCE_CUDA": "1" if cuda else "0",
+                         "MAX_JOBS": str(os.cpu_count() or 2)})
+        found = sorted(cache.glob(f"mmcv-{version}-*.whl"))
     return str(found[-1])
 
 
@@ -73,6 +79,38 @@ def stack2(session: nox.Session) -> None:
     session.install("mmdet==3.3.0", "mmsegmentation==1.2.2", "ftfy", "regex")
     session.run("pytest", "-m", "integration and not stack1", *session.posargs,
                 env={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"})
+
+
+@nox.session
+def main(session: nox.Session) -> None:
+    """README command 1: the mmdet 3.x RetinaNet example bare and under loongkit, one comparison table.
+
+    Installs torch 2.13.0, mmengine 0.10.7, mmcv 2.1.0 with ops (built once, cached in
+    LOONGKIT_WHEEL_CACHE) and mmdet 3.3.0, then runs `loongkit compare` on
+    examples/mmdet_retinanet/train.py. posargs go to `loongkit compare` (e.g. `--level 2`, `--losses 40`,
+    `--env LOONGKIT_COMPILE_RESNET=0`); the table is also written to main-out/compare.{json,png}.
+    """
+    import shutil
+
+    session.install("-U", "pip", "wheel", "setuptools<81")
+    session.install(TORCH, "ninja", "psutil", "mmengine==0.10.7", "matplotlib")
+    session.install("-e", ".", *[f"-e{p}" for p in PLUGINS])
+    # On a GPU with a CUDA toolkit, build mmcv's CUDA ops too: RetinaNet's FocalLoss calls them for
+    # CUDA tensors. A GPU without nvcc gets CPU ops, and the example then trains on the CPU.
+    probe = "import torch; print(int(torch.cuda.is_available()))"
+    gpu = (session.run("python", "-c", probe, silent=True) or "").strip() == "1"
+    cuda = gpu and shutil.which("nvcc") is not None
+    session.install(_mmcv_wheel(session, "2.1.0", cuda=cuda))
+    session.install("mmdet==3.3.0")
+    env = {}
+    if gpu and not cuda:
+        session.log("a GPU but no nvcc: mmcv has CPU ops only, so the example trains on the CPU")
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    out = ROOT / "main-out"
+    out.mkdir(exist_ok=True)
+    session.run("loongkit", "compare", "--json", str(out / "compare.json"), "--png", str(out / "compare.png"),
+                *session.posargs, "--", "python", str(ROOT / "examples" / "mmdet_retinanet" / "train.py"),
+                env=env)
 
 
 TORCH1 = ("torch==2.14.1", "torchvision==0.29.1")

@@ -147,9 +147,10 @@ def build_parser(rt: Runtime | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="what loongkit would do in this environment (as loongkit-run --info)")
     p.add_argument("cmd", nargs=argparse.REMAINDER)
     p.set_defaults(func=lambda a: print_info(a.cmd))
-    from loongkit_core import compare
+    from loongkit_core import bench, compare
 
     compare.add_parser(sub)
+    bench.add_parser(sub)
     if rt is not None:
         rt.manager.call_each("loongkit_add_cli", subparsers=sub)
     return parser
@@ -158,7 +159,7 @@ def build_parser(rt: Runtime | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     rt = None
-    if argv and argv[0] not in ("prelude-path", "compare", "-h", "--help"):
+    if argv and argv[0] not in ("prelude-path", "compare", "bench", "-h", "--help"):
         rt = _runtime()  # plugins may add subcommands
     parser = build_parser(rt)
     args = parser.parse_args(argv)

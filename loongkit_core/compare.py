@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -138,6 +139,19 @@ def compare_losses(a: list[float], b: list[float], n: int) -> dict[str, Any]:
     return {"compared": len(pairs), "bitwise": all(x == y for x, y in pairs), "max_rel_diff": max(rel)}
 
 
+def first_difference(a: list[float], b: list[float], n: int) -> dict[str, Any] | None:
+    """Where the first N losses first differ, by how much, and in float32 ulps of the baseline value.
+
+    A feature that changes the computation shows a large first difference; one that only reorders
+    float32 arithmetic differs first by an ulp or two, then training amplifies it step by step.
+    """
+    for i, (x, y) in enumerate(zip(a[:n], b[:n], strict=False)):
+        if x != y:
+            ulp = 2.0 ** (math.floor(math.log2(abs(x))) - 23) if x else 2.0**-149
+            return {"index": i, "rel_diff": abs(x - y) / max(abs(x), abs(y), 1e-12), "ulps": abs(x - y) / ulp}
+    return None
+
+
 def render_table(base: RunStats, ours: RunStats, losses: dict[str, Any], tolerance: float) -> str:
     def fmt(value: float | None, scale: float = 1.0, unit: str = "") -> str:
         return "n/a" if value is None else f"{value * scale:.2f}{unit}"
@@ -167,6 +181,10 @@ def render_table(base: RunStats, ours: RunStats, losses: dict[str, Any], toleran
                    f"max relative difference {losses['max_rel_diff']:.2e} "
                    f"({'within' if losses['max_rel_diff'] <= tolerance else 'OUTSIDE'} tolerance {tolerance:g})")
         lines.append(f"first {n} losses: {verdict}")
+        first = first_difference(base.losses, ours.losses, n)
+        if first:
+            lines.append(f"  identical up to loss #{first['index']}; there it differs by {first['rel_diff']:.1e} "
+                         f"relative (~{first['ulps']:.0f} float32 ulp)")
         lines.append("  baseline: " + " ".join(f"{x:.4f}" for x in base.losses[:min(n, 8)]))
         lines.append("  loongkit: " + " ".join(f"{x:.4f}" for x in ours.losses[:min(n, 8)]))
     else:
@@ -228,6 +246,7 @@ def main(args: argparse.Namespace) -> int:
         sys.stdout.write(f"--- output tail of the failing run ---\n{tail}\n")
     if args.json:
         payload = {"command": command, "level": args.level, "losses": losses,
+                   "first_difference": first_difference(base.losses, ours.losses, args.losses),
                    "baseline": {k: v for k, v in asdict(base).items() if k != "output"},
                    "loongkit": {k: v for k, v in asdict(ours).items() if k != "output"},
                    "summary": summary}

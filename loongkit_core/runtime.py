@@ -196,6 +196,7 @@ class Runtime:
         elif self.settings.all >= feature.level:
             if policy is not None and policy.enabled_by_default is False:
                 record.enabled = False
+                record.reason = f"off by hardware policy: {policy.reason}"
                 self.log.info("feature off by hardware policy", feature=feature.name, policy=policy.reason)
             else:
                 record.enabled = True
@@ -320,6 +321,12 @@ class Runtime:
     # -- summary -------------------------------------------------------------------------------
     def summary_text(self) -> str:
         extra: list[str] = []
+        policy_off: dict[str, list[str]] = {}
+        for record in self.records.values():
+            if not record.enabled and record.reason.startswith("off by hardware policy: "):
+                policy_off.setdefault(record.reason.split(": ", 1)[1], []).append(record.feature.name)
+        for reason, names in policy_off.items():  # LOONGKIT_ALL would have enabled them: say why not
+            extra.append(f"Off by hardware policy: {', '.join(names)} ({reason})")
         for _, lines in self.manager.call_each("loongkit_summary", records=list(self.records.values())):
             extra.extend(str(line) for line in lines)
         return summary_mod.render(list(self.records.values()), self.manager.faults, extra, log.log_path())

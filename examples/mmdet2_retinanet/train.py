@@ -1,0 +1,127 @@
+"""The RetinaNet example on the OpenMMLab 1.x stack: mmdet 2.x ``train_detector`` on mmcv-full 1.x.
+
+The same detector and synthetic COCO data as ``examples/mmdet_retinanet`` (ResNet-18, no
+pretrained weights), through the 1.x training path a 2022-era project runs: mmcv ``Config``,
+``build_dataset``/``build_detector``, ``train_detector`` (which wraps the model in
+``MMDataParallel`` and builds mmcv's ``IterBasedRunner``), a pipeline ending in
+``DefaultFormatBundle``/``Collect`` (so batches are mmcv ``DataContainer``s, collated by mmcv's
+``collate``), and ``TextLoggerHook`` printing every iteration (``time: ... data_time: ... loss: ...``,
+4 decimals). This is the stack where LOONGKIT_DATA_CONTAINER, LOONGKIT_DATA_PREFETCH and
+LOONGKIT_PYTORCH act. Single process (mmcv 1.x's ``init_dist`` needs CUDA).
+
+    python examples/mmdet2_retinanet/train.py --iters 30
+    loongkit compare -- python examples/mmdet2_retinanet/train.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: the shared data generator
+from synthetic_coco import CLASSES, make_dataset
+
+MEAN, STD = [123.675, 116.28, 103.53], [58.395, 57.12, 57.375]
+
+
+def build_config(data_root: Path, ann_file: Path, args: argparse.Namespace, device: str) -> dict[str, Any]:
+    train_pipeline = [
+        dict(type="LoadImageFromFile", to_float32=True),  # 2.x PhotoMetricDistortion takes float32 only
+        dict(type="LoadAnnotations", with_bbox=True),
+        dict(type="PhotoMetricDistortion"),
+        dict(type="Resize", img_scale=(args.scale, args.scale), keep_ratio=True),
+        dict(type="RandomFlip", flip_ratio=0.5),
+        dict(type="Normalize", mean=MEAN, std=STD, to_rgb=True),
+        dict(type="Pad", size_divisor=32),
+        dict(type="DefaultFormatBundle"),  # tensors wrapped in DataContainer
+        dict(type="Collect", keys=["img", "gt_bboxes", "gt_labels"]),
+    ]
+    channels = 128
+    model = dict(
+        type="RetinaNet",
+        backbone=dict(type="ResNet", depth=args.depth, num_stages=4, out_indices=(0, 1, 2, 3), frozen_stages=-1,
+                      norm_cfg=dict(type="BN", requires_grad=True), norm_eval=False, style="pytorch",
+                      init_cfg=None),
+        neck=dict(type="FPN", in_channels=[64, 128, 256, 512] if args.depth < 50 else [256, 512, 1024, 2048],
+                  out_channels=channels, start_level=1, add_extra_convs="on_input", num_outs=5),
+        bbox_head=dict(
+            type="RetinaHead", num_classes=len(CLASSES), in_channels=channels, stacked_convs=2,
+            feat_channels=channels,
+            anchor_generator=dict(type="AnchorGenerator", octave_base_scale=4, scales_per_octave=3,
+                                  ratios=[0.5, 1.0, 2.0], strides=[8, 16, 32, 64, 128]),
+            bbox_coder=dict(type="DeltaXYWHBBoxCoder", target_means=[0.0] * 4, target_stds=[1.0] * 4),
+            loss_cls=dict(type="FocalLoss", use_sigmoid=True, gamma=2.0, alpha=0.25, loss_weight=1.0),
+            loss_bbox=dict(type="L1Loss", loss_weight=1.0)),
+        train_cfg=dict(assigner=dict(type="MaxIoUAssigner", pos_iou_thr=0.5, neg_iou_thr=0.4, min_pos_iou=0,
+                                     ignore_iof_thr=-1),
+                       allowed_border=-1, pos_weight=-1, debug=False),
+        test_cfg=dict(nms_pre=1000, min_bbox_size=0, score_thr=0.05, nms=dict(type="nms", iou_threshold=0.5),
+                      max_per_img=100),
+    )
+    return dict(
+        model=model,
+        data=dict(samples_per_gpu=args.batch_size, workers_per_gpu=args.workers,
+                  train=dict(type="CocoDataset", ann_file=str(ann_file), img_prefix=str(data_root) + "/",
+                             classes=CLASSES, pipeline=train_pipeline, filter_empty_gt=True),
+                  train_dataloader=dict(persistent_workers=args.workers > 0)),
+        optimizer=dict(type="SGD", lr=args.lr, momentum=0.9, weight_decay=1e-4),
+        optimizer_config=dict(grad_clip=dict(max_norm=35, norm_type=2)),
+        lr_config=dict(policy="fixed", warmup="linear", warmup_iters=10, warmup_ratio=0.1, warmup_by_epoch=False,
+                       by_epoch=False),
+        runner=dict(type="IterBasedRunner", max_iters=args.iters),
+        checkpoint_config=None,
+        log_config=dict(interval=1, hooks=[dict(type="TextLoggerHook", by_epoch=False)]),
+        workflow=[("train", 1)],
+        work_dir=args.work_dir,
+        gpu_ids=[0],
+        device=device,
+        seed=args.seed,
+        resume_from=None,
+        load_from=None,
+        auto_resume=False,
+        log_level="INFO",
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=40)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--images", type=int, default=48, help="synthetic images to generate")
+    parser.add_argument("--scale", type=int, default=320, help="Resize target (longer side bound)")
+    parser.add_argument("--depth", type=int, default=18, choices=(18, 34, 50), help="ResNet depth")
+    parser.add_argument("--lr", type=float, default=0.005)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--work-dir", default=None, help="work dir (default: a temporary one)")
+    args = parser.parse_args(argv)
+
+    import torch
+    from mmcv import Config
+    from mmdet.apis import set_random_seed, train_detector
+    from mmdet.datasets import build_dataset
+    from mmdet.models import build_detector
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with tempfile.TemporaryDirectory(prefix="loongkit-mmdet2-") as tmp:
+        data_root = Path(tmp) / "data"
+        data_root.mkdir()
+        ann_file = make_dataset(data_root, args.images, args.seed)
+        args.work_dir = args.work_dir or str(Path(tmp) / "work")
+        Path(args.work_dir).mkdir(parents=True, exist_ok=True)
+        cfg = Config(build_config(data_root, ann_file, args, device))
+        set_random_seed(args.seed, deterministic=True)
+        model = build_detector(cfg.model)
+        model.init_weights()
+        dataset = build_dataset(cfg.data.train)
+        model.CLASSES = dataset.CLASSES
+        train_detector(model, [dataset], cfg, distributed=False, validate=False,
+                       timestamp=time.strftime("%Y%m%d_%H%M%S", time.localtime()), meta=dict(seed=args.seed))
+
+
+if __name__ == "__main__":
+    main()
