@@ -65,6 +65,13 @@ def probe_faults(size: int = PROBE_BYTES, cycles: int = 2) -> int:
     return faults
 
 
+def _trim() -> None:
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing was kept anyway
+        pass
+
+
 class Malloc(FeatureImpl):
     options = MallocOptions
 
@@ -109,6 +116,7 @@ class Malloc(FeatureImpl):
         default_faults = probe_faults(cycles=1)
         result = allocator.apply_glibc()
         tuned_faults = probe_faults()
+        _trim()  # give the probe's block back: the tuning keeps later temporaries, not this one
         self.probe = (default_faults, tuned_faults)
         config.update(result.to_config())
         ctx.set_config(config)
@@ -124,5 +132,6 @@ class Malloc(FeatureImpl):
             return []
         default, tuned = self.probe
         since = allocator.minor_faults() - self.faults_at_boot
-        return [f"malloc: a repeated 64 MiB temporary costs {default:,} minor faults with glibc defaults, "
+        return [f"malloc: a repeated {PROBE_BYTES >> 20} MiB temporary costs {default:,} minor faults with glibc "
+                f"defaults, "
                 f"{tuned:,} tuned (measured at boot); this process had {since:,} minor faults since boot"]
