@@ -113,12 +113,30 @@ def run_tsa(module: Any, inputs: dict[str, Any], grad: torch.Tensor) -> list[tor
 
 
 def assert_same(before: list[torch.Tensor], after: list[torch.Tensor], dtype: torch.dtype, seed: int) -> None:
+    """Outputs and gradients equal within TOL, relative to each tensor's largest element.
+
+    One exception, float32 gradients only: bilinear sampling's gradient with respect to a location
+    jumps where the location crosses a pixel edge. grid_sample computes the pixel coordinate as
+    ((2x-1+1)W-1)/2, the fused kernel as xW-0.5: in float32 they can round to different sides of an
+    edge, and with ~10^5 random locations per test about one does (measured: ~40% of runs). That
+    sample's location gradient then differs, and so do the gradients it feeds (its query's row, whole
+    rows of the offset projection's weights and its bias). The exact equivalence is proven in float64
+    (no such events at 1e-16); in float32 the gradients must match elementwise for at least 99% of
+    elements and within 1e-2 in relative norm, and the outputs (#0, continuous in the locations) to
+    TOL everywhere."""
     assert len(before) == len(after)
     for i, (theirs, mine) in enumerate(zip(before, after, strict=True)):
         assert mine is not None and theirs is not None, f"#{i}: gradient missing"
         scale = theirs.abs().max().clamp(min=1e-3)  # relative to the tensor's largest element
-        torch.testing.assert_close(mine / scale, theirs / scale, **TOL[dtype],
-                                   msg=lambda m, i=i: f"#{i} seed {seed}: {m}")
+        a, b = mine / scale, theirs / scale
+        if dtype == torch.float32 and i > 0:
+            tol = TOL[dtype]
+            bad = int((~torch.isclose(a, b, rtol=tol["rtol"], atol=tol["atol"])).sum())
+            assert bad <= max(1, a.numel() // 100), f"#{i} seed {seed}: {bad} of {a.numel()} elements differ"
+            rel = float((a - b).norm() / b.norm().clamp(min=1e-12))
+            assert rel < 1e-2, f"#{i} seed {seed}: relative norm of the difference {rel:.2e}"
+            continue
+        torch.testing.assert_close(a, b, **TOL[dtype], msg=lambda m, i=i: f"#{i} seed {seed}: {m}")
 
 
 def compare(build: Callable[[], Any], run: Callable[[Any], list[torch.Tensor]], patch: Callable[[], Any],
