@@ -35,7 +35,7 @@ from loongkit_core.log import get_logger
 NAME = "loongkit_data_kernels"
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("bindings.cpp",)
-HEADERS = ("imnormalize.hpp", "distortion.hpp")
+HEADERS = ("simd.hpp", "imnormalize.hpp", "distortion.hpp")
 # -ffp-contract=off: never fuse a*b+c unless the source says fma() (bit-exactness with OpenCV).
 # No -ffast-math: IEEE semantics of every operation are part of the result.
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-std=c++17")

@@ -82,25 +82,43 @@ void imnormalize(py::buffer src, py::buffer dst, py::tuple mean, py::tuple stdin
     if (inplace && (dt != Dtype::F32 || !pixel_contiguous(s) || sy != 12 * w))
         throw std::invalid_argument("in-place normalize needs a C-contiguous float32 image");
     const bool fast = pixel_contiguous(s);
+    loongkit::NormVec n = loongkit::norm_vec(p);
+#ifdef LOONGKIT_AVX2
+    n.split = fast && dt == Dtype::U8 && loongkit::norm_split_exact(n);  // ~1 us, per call: params vary
+#endif
     py::gil_scoped_release nogil;
     for_rows(h, threads, [&](std::ptrdiff_t y) {
         const char* row = base + y * sy;
         float* o = out + y * w * 3;
-        if (inplace) {
-            to_rgb ? loongkit::normalize_row_inplace<true>(o, w, p) : loongkit::normalize_row_inplace<false>(o, w, p);
-        } else if (fast && dt == Dtype::U8) {
+        if (fast && dt == Dtype::U8) {
             const auto* r = reinterpret_cast<const std::uint8_t*>(row);
-            to_rgb ? loongkit::normalize_row<std::uint8_t, true>(r, o, w, p)
-                   : loongkit::normalize_row<std::uint8_t, false>(r, o, w, p);
-        } else if (fast) {
+            to_rgb ? loongkit::normalize_row_fast<std::uint8_t, true>(r, o, w, p, n)
+                   : loongkit::normalize_row_fast<std::uint8_t, false>(r, o, w, p, n);
+        } else if (fast) {  // in place too (row == o)
             const auto* r = reinterpret_cast<const float*>(row);
-            to_rgb ? loongkit::normalize_row<float, true>(r, o, w, p) : loongkit::normalize_row<float, false>(r, o, w, p);
+            to_rgb ? loongkit::normalize_row_fast<float, true>(r, o, w, p, n)
+                   : loongkit::normalize_row_fast<float, false>(r, o, w, p, n);
         } else if (dt == Dtype::U8) {
             loongkit::normalize_row_strided<std::uint8_t>(row, sx, sc, o, w, to_rgb, p);
         } else {
             loongkit::normalize_row_strided<float>(row, sx, sc, o, w, to_rgb, p);
         }
     });
+}
+
+// imnormalize_split(mean_f32[3], stdinv_f64[3]) -> bool: whether uint8 input takes the float32-only
+// product for these parameters (its exhaustive check passed); False on builds without the SIMD path.
+bool imnormalize_split(py::tuple mean, py::tuple stdinv) {
+    NormParams p{};
+    for (int c = 0; c < 3; ++c) {
+        p.mean[c] = mean[c].cast<float>();
+        p.stdinv[c] = stdinv[c].cast<double>();
+    }
+#ifdef LOONGKIT_AVX2
+    return loongkit::norm_split_exact(loongkit::norm_vec(p));
+#else
+    return false;
+#endif
 }
 
 // distort(src, dst, delta, alpha_pre, sat, clip_sat, hue, alpha_post, perm, mode, threads) -> bool.
@@ -146,5 +164,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.attr("ABI") = 1;
     m.def("imnormalize", &imnormalize, py::arg("src"), py::arg("dst"), py::arg("mean"), py::arg("stdinv"),
           py::arg("to_rgb"), py::arg("threads") = 1);
+    m.def("imnormalize_split", &imnormalize_split, py::arg("mean"), py::arg("stdinv"));
     loongkit::register_distortion(m);
 }

@@ -23,6 +23,8 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "simd.hpp"
+
 namespace loongkit {
 
 struct DistortParams {
@@ -164,6 +166,174 @@ static inline void permute_row(float* o, std::ptrdiff_t width, const int perm[3]
     }
 }
 
+#ifdef LOONGKIT_AVX2
+// 8 pixels of the SIMD-body formulas at once: rgb2hsv_simd, adjust_hsv and hsv2rgb_simd with every
+// scalar operation replaced by its 8-lane form, in the same order (IEEE add/sub/mul/div and
+// cvttps2dq are lane-wise identical to the scalar instructions; the ternaries become blends of
+// values the scalar code would also have computed; fused operations exactly where the scalar code
+// calls std::fma). Pixels are independent, so this holds for any of OpenCV's lane counts: it only
+// decides how many pixels of a row take these formulas (nsimd below).
+struct DistortVec {
+    __m256 delta, a0, a1, sat, lo, hi, hue;
+    const simd::U8Deinterleave* u8;
+};
+
+static inline DistortVec distort_vec(const DistortParams& p) {
+    DistortVec v;
+    v.delta = _mm256_set1_ps(p.delta);
+    v.a0 = _mm256_set1_ps(p.alpha_pre);
+    v.a1 = _mm256_set1_ps(p.alpha_post);
+    v.sat = _mm256_set1_ps(p.sat);
+    v.lo = _mm256_set1_ps(p.clip_sat ? 0.f : -INFINITY);
+    v.hi = _mm256_set1_ps(p.clip_sat ? 1.f : INFINITY);
+    v.hue = _mm256_set1_ps(p.hue);
+    v.u8 = &simd::u8_deinterleave();
+    return v;
+}
+
+template <bool kFma, bool kContract>
+static inline void distort8(__m256& b, __m256& g, __m256& r, const DistortVec& dv) {
+    const __m256 one = _mm256_set1_ps(1.f), c360 = _mm256_set1_ps(360.f), eps = _mm256_set1_ps(FLT_EPSILON);
+    b = _mm256_mul_ps(_mm256_add_ps(b, dv.delta), dv.a0);
+    g = _mm256_mul_ps(_mm256_add_ps(g, dv.delta), dv.a0);
+    r = _mm256_mul_ps(_mm256_add_ps(r, dv.delta), dv.a0);
+    // rgb2hsv_simd
+    const __m256 mn = _mm256_min_ps(_mm256_min_ps(r, g), b);
+    const __m256 mx = _mm256_max_ps(_mm256_max_ps(r, g), b);
+    const __m256 diff = _mm256_sub_ps(mx, mn);
+    const __m256 absmx = _mm256_andnot_ps(_mm256_set1_ps(-0.f), mx);
+    __m256 s = _mm256_div_ps(diff, _mm256_add_ps(absmx, eps));
+    const __m256 req = _mm256_cmp_ps(r, mx, _CMP_EQ_OQ), geq = _mm256_cmp_ps(g, mx, _CMP_EQ_OQ);
+    const __m256 hh = _mm256_blendv_ps(_mm256_blendv_ps(_mm256_sub_ps(r, g), _mm256_sub_ps(b, r), geq),
+                                       _mm256_sub_ps(g, b), req);
+    const __m256 res = _mm256_blendv_ps(
+        _mm256_blendv_ps(_mm256_set1_ps(240.f), _mm256_set1_ps(120.f), geq),
+        _mm256_and_ps(_mm256_cmp_ps(g, b, _CMP_LT_OQ), c360), req);
+    const __m256 rev = _mm256_div_ps(_mm256_set1_ps(60.f), _mm256_add_ps(diff, eps));
+    const __m256 hsc = _mm256_set1_ps(360.f * (1.f / 360.f));
+    __m256 h = _mm256_mul_ps(kFma ? _mm256_fmadd_ps(hh, rev, res) : _mm256_add_ps(_mm256_mul_ps(hh, rev), res), hsc);
+    const __m256 v = mx;
+    // adjust_hsv
+    s = _mm256_mul_ps(s, dv.sat);
+    s = _mm256_max_ps(dv.lo, s);  // s < lo ? lo : s
+    s = _mm256_min_ps(dv.hi, s);  // s > hi ? hi : s
+    h = _mm256_add_ps(h, dv.hue);
+    h = _mm256_blendv_ps(h, _mm256_sub_ps(h, c360), _mm256_cmp_ps(h, c360, _CMP_GT_OQ));
+    h = _mm256_blendv_ps(h, _mm256_add_ps(h, c360), _mm256_cmp_ps(h, _mm256_setzero_ps(), _CMP_LT_OQ));
+    // hsv2rgb_simd
+    h = _mm256_mul_ps(h, _mm256_set1_ps(6.f / 360.f));
+    const __m256 pre = _mm256_cvtepi32_ps(_mm256_cvttps_epi32(h));
+    h = _mm256_sub_ps(h, pre);
+    const __m256 tab0 = v;
+    const __m256 tab1 = _mm256_mul_ps(v, _mm256_sub_ps(one, s));
+    const __m256 tab2 = _mm256_mul_ps(v, kContract ? _mm256_fnmadd_ps(s, h, one) : _mm256_sub_ps(one, _mm256_mul_ps(s, h)));
+    const __m256 oneh = _mm256_sub_ps(one, h);
+    const __m256 tab3 =
+        _mm256_mul_ps(v, kContract ? _mm256_fnmadd_ps(s, oneh, one) : _mm256_sub_ps(one, _mm256_mul_ps(s, oneh)));
+    __m256 sector = _mm256_cvtepi32_ps(_mm256_cvttps_epi32(_mm256_mul_ps(pre, _mm256_set1_ps(1.0f / 6.0f))));
+    const __m256 six = _mm256_set1_ps(6.f);
+    sector = kContract ? _mm256_fnmadd_ps(sector, six, pre) : _mm256_sub_ps(pre, _mm256_mul_ps(sector, six));
+    auto eq = [&](float k) { return _mm256_cmp_ps(sector, _mm256_set1_ps(k), _CMP_EQ_OQ); };
+    auto lt = [&](float k) { return _mm256_cmp_ps(sector, _mm256_set1_ps(k), _CMP_LT_OQ); };
+    auto gt = [&](float k) { return _mm256_cmp_ps(sector, _mm256_set1_ps(k), _CMP_GT_OQ); };
+    auto sel = [](__m256 t, __m256 m) { return _mm256_and_ps(t, m); };
+    const __m256 e1 = eq(1.f), e2 = eq(2.f), e3 = eq(3.f), e4 = eq(4.f);
+    b = _mm256_or_ps(_mm256_or_ps(_mm256_or_ps(sel(tab1, lt(2.f)), sel(tab3, e2)), _mm256_or_ps(sel(tab0, e3), sel(tab0, e4))),
+                     sel(tab2, gt(4.f)));
+    g = _mm256_or_ps(_mm256_or_ps(_mm256_or_ps(sel(tab3, lt(1.f)), sel(tab0, e1)), _mm256_or_ps(sel(tab0, e2), sel(tab2, e3))),
+                     sel(tab1, gt(3.f)));
+    r = _mm256_or_ps(_mm256_or_ps(_mm256_or_ps(sel(tab0, lt(1.f)), sel(tab2, e1)), _mm256_or_ps(sel(tab1, e2), sel(tab1, e3))),
+                     _mm256_or_ps(sel(tab3, e4), sel(tab0, gt(4.f))));
+    b = _mm256_mul_ps(b, dv.a1);
+    g = _mm256_mul_ps(g, dv.a1);
+    r = _mm256_mul_ps(r, dv.a1);
+}
+
+#ifdef LOONGKIT_AVX512
+// The same in 16 lanes; blends of the 8-lane form become mask moves (the sector masks are
+// disjoint, so "or of and-masked values" equals one masked move per sector, 0 when none holds).
+template <bool kFma, bool kContract>
+static inline void distort16(__m512& b, __m512& g, __m512& r, const DistortVec& dv) {
+    const __m512 one = _mm512_set1_ps(1.f), c360 = _mm512_set1_ps(360.f), eps = _mm512_set1_ps(FLT_EPSILON);
+    const __m512 delta = _mm512_broadcast_f32x8(dv.delta), a0 = _mm512_broadcast_f32x8(dv.a0);
+    b = _mm512_mul_ps(_mm512_add_ps(b, delta), a0);
+    g = _mm512_mul_ps(_mm512_add_ps(g, delta), a0);
+    r = _mm512_mul_ps(_mm512_add_ps(r, delta), a0);
+    const __m512 mn = _mm512_min_ps(_mm512_min_ps(r, g), b);
+    const __m512 mx = _mm512_max_ps(_mm512_max_ps(r, g), b);
+    const __m512 diff = _mm512_sub_ps(mx, mn);
+    __m512 s = _mm512_div_ps(diff, _mm512_add_ps(_mm512_abs_ps(mx), eps));
+    const __mmask16 req = _mm512_cmp_ps_mask(r, mx, _CMP_EQ_OQ), geq = _mm512_cmp_ps_mask(g, mx, _CMP_EQ_OQ);
+    const __m512 hh = _mm512_mask_blend_ps(req, _mm512_mask_blend_ps(geq, _mm512_sub_ps(r, g), _mm512_sub_ps(b, r)),
+                                           _mm512_sub_ps(g, b));
+    const __m512 res = _mm512_mask_blend_ps(
+        req, _mm512_mask_blend_ps(geq, _mm512_set1_ps(240.f), _mm512_set1_ps(120.f)),
+        _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(g, b, _CMP_LT_OQ), c360));
+    const __m512 rev = _mm512_div_ps(_mm512_set1_ps(60.f), _mm512_add_ps(diff, eps));
+    const __m512 hsc = _mm512_set1_ps(360.f * (1.f / 360.f));
+    __m512 h = _mm512_mul_ps(kFma ? _mm512_fmadd_ps(hh, rev, res) : _mm512_add_ps(_mm512_mul_ps(hh, rev), res), hsc);
+    const __m512 v = mx;
+    s = _mm512_mul_ps(s, _mm512_broadcast_f32x8(dv.sat));
+    s = _mm512_max_ps(_mm512_broadcast_f32x8(dv.lo), s);
+    s = _mm512_min_ps(_mm512_broadcast_f32x8(dv.hi), s);
+    h = _mm512_add_ps(h, _mm512_broadcast_f32x8(dv.hue));
+    h = _mm512_mask_sub_ps(h, _mm512_cmp_ps_mask(h, c360, _CMP_GT_OQ), h, c360);
+    h = _mm512_mask_add_ps(h, _mm512_cmp_ps_mask(h, _mm512_setzero_ps(), _CMP_LT_OQ), h, c360);
+    h = _mm512_mul_ps(h, _mm512_set1_ps(6.f / 360.f));
+    const __m512 pre = _mm512_cvtepi32_ps(_mm512_cvttps_epi32(h));
+    h = _mm512_sub_ps(h, pre);
+    const __m512 tab0 = v;
+    const __m512 tab1 = _mm512_mul_ps(v, _mm512_sub_ps(one, s));
+    const __m512 tab2 = _mm512_mul_ps(v, kContract ? _mm512_fnmadd_ps(s, h, one) : _mm512_sub_ps(one, _mm512_mul_ps(s, h)));
+    const __m512 oneh = _mm512_sub_ps(one, h);
+    const __m512 tab3 =
+        _mm512_mul_ps(v, kContract ? _mm512_fnmadd_ps(s, oneh, one) : _mm512_sub_ps(one, _mm512_mul_ps(s, oneh)));
+    __m512 sector = _mm512_cvtepi32_ps(_mm512_cvttps_epi32(_mm512_mul_ps(pre, _mm512_set1_ps(1.0f / 6.0f))));
+    const __m512 six = _mm512_set1_ps(6.f);
+    sector = kContract ? _mm512_fnmadd_ps(sector, six, pre) : _mm512_sub_ps(pre, _mm512_mul_ps(sector, six));
+    auto cmp = [&](float k, int op) { return _mm512_cmp_ps_mask(sector, _mm512_set1_ps(k), op); };
+    const __mmask16 l1 = cmp(1.f, _CMP_LT_OQ), l2 = cmp(2.f, _CMP_LT_OQ), e1 = cmp(1.f, _CMP_EQ_OQ),
+                    e2 = cmp(2.f, _CMP_EQ_OQ), e3 = cmp(3.f, _CMP_EQ_OQ), e4 = cmp(4.f, _CMP_EQ_OQ),
+                    g3 = cmp(3.f, _CMP_GT_OQ), g4 = cmp(4.f, _CMP_GT_OQ);
+    b = _mm512_mask_mov_ps(_mm512_mask_mov_ps(_mm512_mask_mov_ps(_mm512_maskz_mov_ps(l2, tab1), e2, tab3),
+                                              static_cast<__mmask16>(e3 | e4), tab0), g4, tab2);
+    g = _mm512_mask_mov_ps(_mm512_mask_mov_ps(_mm512_mask_mov_ps(_mm512_maskz_mov_ps(l1, tab3),
+                                                                 static_cast<__mmask16>(e1 | e2), tab0), e3, tab2),
+                           g3, tab1);
+    r = _mm512_mask_mov_ps(_mm512_mask_mov_ps(_mm512_mask_mov_ps(_mm512_mask_mov_ps(_mm512_maskz_mov_ps(l1, tab0), e1, tab2),
+                                                                 static_cast<__mmask16>(e2 | e3), tab1), e4, tab3),
+                           g4, tab0);
+    const __m512 a1 = _mm512_broadcast_f32x8(dv.a1);
+    b = _mm512_mul_ps(b, a1);
+    g = _mm512_mul_ps(g, a1);
+    r = _mm512_mul_ps(r, a1);
+}
+#endif
+
+// Pixels [0, n) of a row, n a multiple of 8: one read of the source, one write of the result,
+// channel permutation included.
+template <typename T, bool kFma, bool kContract>
+static inline void distort_blocks(const T* src, float* dst, std::ptrdiff_t n, const DistortVec& dv,
+                                  const int perm[3]) {
+    std::ptrdiff_t i = 0;
+#ifdef LOONGKIT_AVX512
+    const simd::Planar16& t = simd::planar16();
+    for (; i + 16 <= n; i += 16) {
+        __m512 c[3];
+        simd::load3x16(src + 3 * i, t, c);
+        distort16<kFma, kContract>(c[0], c[1], c[2], dv);
+        simd::store3x16(dst + 3 * i, t, c[perm[0]], c[perm[1]], c[perm[2]]);
+    }
+#endif
+    for (; i < n; i += 8) {
+        __m256 c[3];
+        simd::load3(src + 3 * i, *dv.u8, c[0], c[1], c[2]);
+        distort8<kFma, kContract>(c[0], c[1], c[2], dv);
+        simd::store3(dst + 3 * i, c[perm[0]], c[perm[1]], c[perm[2]]);
+    }
+}
+#endif
+
 // One row: src pixels are 3 adjacent values of T (row-contiguous), dst is float32 contiguous.
 template <typename T, bool kFma, bool kSimdContract, bool kTailContract>
 static void distort_row(const T* __restrict__ src, float* __restrict__ dst, std::ptrdiff_t width, int lanes,
@@ -171,7 +341,14 @@ static void distort_row(const T* __restrict__ src, float* __restrict__ dst, std:
     const DistortParams p = params;  // a local copy: dst cannot alias it, so the loop vectorizes
     const std::ptrdiff_t nsimd = lanes > 0 ? (width / lanes) * lanes : 0;
     const float d = p.delta, a0 = p.alpha_pre, a1 = p.alpha_post;
-    for (std::ptrdiff_t i = 0; i < nsimd; ++i) {
+    std::ptrdiff_t i0 = 0;
+#ifdef LOONGKIT_AVX2
+    i0 = (nsimd / 8) * 8;
+    if (i0 > 0) {
+        distort_blocks<T, kFma, kSimdContract>(src, dst, i0, distort_vec(p), p.perm);
+    }
+#endif
+    for (std::ptrdiff_t i = i0; i < nsimd; ++i) {
         const float b0 = (static_cast<float>(src[3 * i + 0]) + d) * a0;
         const float g0 = (static_cast<float>(src[3 * i + 1]) + d) * a0;
         const float r0 = (static_cast<float>(src[3 * i + 2]) + d) * a0;
@@ -195,7 +372,7 @@ static void distort_row(const T* __restrict__ src, float* __restrict__ dst, std:
         dst[3 * i + 1] = g * a1;
         dst[3 * i + 2] = r * a1;
     }
-    if (p.perm[0] != 0 || p.perm[1] != 1 || p.perm[2] != 2) permute_row(dst, width, p.perm);
+    if (p.perm[0] != 0 || p.perm[1] != 1 || p.perm[2] != 2) permute_row(dst + 3 * i0, width - i0, p.perm);
 }
 
 using RowFn = void (*)(const void*, float*, std::ptrdiff_t, int, const DistortParams&);
