@@ -40,6 +40,16 @@ def build_config(data_root: Path, ann_file: Path, args: argparse.Namespace, devi
         dict(type="DefaultFormatBundle"),  # tensors wrapped in DataContainer
         dict(type="Collect", keys=["img", "gt_bboxes", "gt_labels"]),
     ]
+    test_pipeline = [
+        dict(type="LoadImageFromFile"),
+        dict(type="MultiScaleFlipAug", img_scale=(args.scale, args.scale), flip=False,
+             transforms=[dict(type="Resize", keep_ratio=True), dict(type="RandomFlip"),
+                         dict(type="Normalize", mean=MEAN, std=STD, to_rgb=True), dict(type="Pad", size_divisor=32),
+                         dict(type="ImageToTensor", keys=["img"]), dict(type="Collect", keys=["img"])]),
+    ]
+    # val/test are never built (validate=False), but mmdet 2.x's compat_cfg (in train_detector) reads them.
+    test_data = dict(type="CocoDataset", ann_file=str(ann_file), img_prefix=str(data_root) + "/", classes=CLASSES,
+                     pipeline=test_pipeline, test_mode=True)
     channels = 128
     model = dict(
         type="RetinaNet",
@@ -67,6 +77,7 @@ def build_config(data_root: Path, ann_file: Path, args: argparse.Namespace, devi
         data=dict(samples_per_gpu=args.batch_size, workers_per_gpu=args.workers,
                   train=dict(type="CocoDataset", ann_file=str(ann_file), img_prefix=str(data_root) + "/",
                              classes=CLASSES, pipeline=train_pipeline, filter_empty_gt=True),
+                  val=test_data, test=test_data,
                   train_dataloader=dict(persistent_workers=args.workers > 0)),
         optimizer=dict(type="SGD", lr=args.lr, momentum=0.9, weight_decay=1e-4),
         optimizer_config=dict(grad_clip=dict(max_norm=35, norm_type=2)),

@@ -25,7 +25,7 @@ from loongkit_core.kit import FeatureImpl
 from loongkit_data.prefetch import map_tensors
 
 # Modules that bind mmdet 2.x's build_dataloader by name (``from mmdet.datasets import build_dataloader``).
-BUILDER_USERS = ("mmdet.datasets", "mmdet.apis.train", "mmdet.apis")
+BUILDER_USERS = ("mmdet.datasets", "mmdet.apis.train")
 NO_CUDA = "no CUDA device: torch cannot pin memory, DataLoader pin_memory left as configured"
 
 
@@ -57,9 +57,13 @@ def pinning_possible() -> bool:
 
 
 def wrap_build_dataloader(original: Callable[..., Any], possible: Callable[[], bool] = pinning_possible,
-                          on_skip: Callable[[str], None] | None = None) -> Callable[..., Any]:
+                          on_skip: Callable[[str], None] | None = None,
+                          enabled: Callable[[], bool] = lambda: True) -> Callable[..., Any]:
+    """``build_dataloader`` that adds ``pin_memory=True``; a plain call-through while ``enabled()`` is False
+    (modules that copied the name with ``from ... import`` keep the wrapper after an undo)."""
+
     def build_dataloader(*args: Any, **kwargs: Any) -> Any:
-        if "pin_memory" not in kwargs:
+        if enabled() and "pin_memory" not in kwargs:
             if possible():
                 kwargs["pin_memory"] = True
             elif on_skip is not None:
@@ -87,6 +91,11 @@ def patch_builder(patcher: Any, builder: Any, wrapper: Callable[..., Any]) -> li
     return done
 
 
+def bound_to(wrapper: Callable[..., Any]) -> list[str]:
+    """The modules of BUILDER_USERS whose ``build_dataloader`` is ``wrapper``."""
+    return [name for name in BUILDER_USERS if getattr(sys.modules.get(name), "build_dataloader", None) is wrapper]
+
+
 class DataContainerPin(FeatureImpl):
     def __init__(self, feature: Any) -> None:
         super().__init__(feature)
@@ -96,9 +105,11 @@ class DataContainerPin(FeatureImpl):
         return None  # pinning happens in the training process; without CUDA the Summary says so at run time
 
     def activate(self, ctx: ActivationContext, target: str | None) -> None:
-        import mmcv.parallel
+        # ``import mmcv.parallel as ...`` falls back to sys.modules: this runs right after mmcv.parallel's
+        # body, before importlib binds it as an attribute of mmcv, so ``mmcv.parallel`` would raise.
+        import mmcv.parallel as parallel
 
-        cls = getattr(mmcv.parallel, "DataContainer", None)
+        cls = getattr(parallel, "DataContainer", None)
         if cls is None or not all(isinstance(getattr(cls, p, None), property)
                                   for p in ("data", "cpu_only", "stack", "padding_value", "pad_dims")):
             raise NotApplicable("mmcv.parallel.DataContainer is not the 1.x container (data/cpu_only/stack/"
@@ -121,6 +132,13 @@ class DataContainerPin(FeatureImpl):
 
         wrapper_holder: dict[str, Any] = {}
 
+        def note_copies() -> None:
+            # Modules that import the name after the builder was patched (mmdet.datasets' own __init__,
+            # which is still running when the builder's hook fires, and mmdet.apis.train) copy the
+            # wrapper itself; list them for the Summary once they exist.
+            if self._on and "w" in wrapper_holder:
+                loaders.extend(name for name in bound_to(wrapper_holder["w"]) if name not in loaders)
+
         def on_builder(builder: Any) -> None:
             if not self._on:
                 return
@@ -128,8 +146,10 @@ class DataContainerPin(FeatureImpl):
             if not callable(original):
                 ctx.log.warning("mmdet build_dataloader not found; its loaders keep pin_memory=False")
                 return
-            wrapper = wrapper_holder.setdefault("w", wrap_build_dataloader(original, on_skip=on_skip))
+            wrapper = wrapper_holder.setdefault(
+                "w", wrap_build_dataloader(original, on_skip=on_skip, enabled=lambda: self._on))
             loaders.extend(patch_builder(ctx.patcher, builder, wrapper))
+            ctx.at_exit(note_copies)
             ctx.log.info("mmdet build_dataloader turns on pin_memory", patched=loaders)
 
         ctx.on_import("mmdet.datasets.builder", on_builder)

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from loongkit_data.datacontainer import NO_CUDA
 
 from loongkit_core.testing import clean_environ
 
@@ -38,5 +40,11 @@ def test_mmdet2_level1_bitwise(tmp_path: Path) -> None:
     assert len(data["baseline"]["step_times"]) == 4
     assert data["losses"]["bitwise"], r.stdout
     rows = {row["name"]: row for row in data["summary"]["features"]}
-    assert rows["data_container"]["active"], rows["data_container"]  # the batches were DataContainers
+    dc = rows["data_container"]
+    # train_detector builds its loader through mmdet.apis.train's copy of build_dataloader.
+    assert dc["state"] == "applied" and "mmdet.apis.train" in dc["config"]["build_dataloader"], dc
+    if torch.cuda.is_available():
+        assert dc["active"], dc  # the DataContainer batches were pinned
+    else:  # torch cannot pin without a device: nothing pinned, and the Summary says why
+        assert not dc["active"] and dc["reason"] == NO_CUDA, dc
     assert rows["pytorch"]["active"]

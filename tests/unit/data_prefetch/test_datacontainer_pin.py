@@ -113,6 +113,12 @@ def test_build_dataloader_wrapper_respects_an_explicit_choice() -> None:
     assert off([], 2, 2) == {}
     assert skips == [datacontainer.NO_CUDA]
     assert on.__wrapped__ is build_dataloader and on.__name__ == "build_dataloader"
+    # A from-import copy outlives an undo: with the feature off the wrapper only calls through.
+    enabled = [False]
+    gated = datacontainer.wrap_build_dataloader(build_dataloader, possible=lambda: True, enabled=lambda: enabled[0])
+    assert gated([], 2, 2) == {}
+    enabled[0] = True
+    assert gated([], 2, 2) == {"pin_memory": True}
 
 
 def test_patch_builder_rebinds_modules_that_imported_it(monkeypatch: pytest.MonkeyPatch) -> None:
