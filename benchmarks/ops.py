@@ -10,6 +10,11 @@
   LOONGKIT_DAG does per call) vs DeformableFeatureAggregation's grid_sample path (one grid_sample
   per level, stacked, weighted per group, summed over cameras, levels and points) at Sparse4D v3
   shapes: 6 cameras, levels 64x176..8x22, 256 channels, 8 groups, 13 points, 900 anchors.
+- Dice (mmseg 0.x, in the stack1 venv): ``DiceLoss`` unpatched vs with LOONGKIT_DICE_LOSS's patch.
+- voxel: mmcv's CPU ``hard_voxelize`` (deterministic) vs ``loongkit::hard_voxelize`` (what
+  LOONGKIT_VOXELIZATION routes it to), nuScenes CenterPoint grid (voxel 0.075 x 0.075 x 0.2 m,
+  range +-54 m, z -5..3 m, 10 points per voxel, 90k voxels) on a synthetic 32-beam multi-sweep
+  cloud of 300k points x 5 (--quick: 120k); outputs are checked identical before timing.
 - bev_pool: ``loongkit::bev_pool`` vs BEVFusion's CPU-side formulations: the sort + cumsum trick
   (LSS's QuickCumsum, then a scatter into the grid) and a plain ``index_add``; ~2M camera points x
   80 channels into a 360x360 BEV grid (--quick: 500k points).
@@ -90,6 +95,11 @@ def bench_msda(quick: bool, reps: int) -> None:
 
 
 def bench_dice(quick: bool, reps: int) -> None:
+    import mmseg
+
+    if mmseg.__version__.startswith("0."):
+        bench_dice0(quick, reps)
+        return
     import mmseg.models.losses.dice_loss as dice_mod
     from loongkit_ops.patches.dice import DiceLossMmseg1
     from loongkit_ops.plugin import plugin
@@ -123,6 +133,79 @@ def bench_dice(quick: bool, reps: int) -> None:
             patched(loss, pred, target).backward()
 
         compare(name, base, ours, max(1, reps // 2))
+
+
+def bench_dice0(quick: bool, reps: int) -> None:
+    """mmseg 0.x DiceLoss (the stack1 venv) unpatched vs with LOONGKIT_DICE_LOSS's patch."""
+    import mmseg.models.losses.dice_loss as dice_mod
+    from loongkit_ops.patches.dice import DiceLossMmseg0
+    from loongkit_ops.plugin import plugin
+
+    from loongkit_core.context import ActivationContext
+    from loongkit_core.feature import FeatureRecord
+    from loongkit_core.log import get_logger
+
+    feature = next(f for f in plugin.loongkit_declare_features() if f.name == "dice_loss")
+    ctx = ActivationContext(FeatureRecord(feature), None, get_logger("bench"),  # type: ignore[arg-type]
+                            lambda module, cb: cb(sys.modules[module]))
+    impl = DiceLossMmseg0(feature)
+    gen = torch.Generator().manual_seed(0)
+    shape = (4, 19, 256, 512)
+    pred = torch.randn(*shape, generator=gen).requires_grad_()
+    target = torch.randint(0, 19, (shape[0], *shape[2:]), generator=gen)
+    target[:, :20] = 255
+    loss = dice_mod.DiceLoss()
+    original = dice_mod.DiceLoss.forward
+    impl.activate(ctx, "mmseg.models.losses.dice_loss")
+    patched = dice_mod.DiceLoss.forward
+    impl.deactivate(ctx)
+
+    def base() -> None:
+        original(loss, pred, target).backward()
+
+    def ours() -> None:
+        patched(loss, pred, target).backward()
+
+    compare("dice_mmseg0_4x19x256x512", base, ours, max(1, reps // 2))
+
+
+def lidar_cloud(n: int, gen: torch.Generator) -> torch.Tensor:
+    """A nuScenes-like multi-sweep cloud [n, 5] (x, y, z, intensity, time lag) in scan order: 32 beams
+    from -30 to +10 degrees, ground returns 1.8 m below the sensor, dense near the car."""
+    beams = torch.linspace(-0.52, 0.17, 32)
+    per_beam = n // 32
+    az = torch.rand(32, per_beam, generator=gen).sort(1).values * 6.2832 - 3.1416
+    elev = beams[:, None].expand(32, per_beam)
+    obstacle = 1.0 + torch.empty(32, per_beam).exponential_(1 / 14.0, generator=gen)
+    ground = torch.where(elev < 0, 1.8 / (-elev).tan().clamp(min=1e-3), torch.full_like(elev, 1e9))
+    r = torch.minimum(obstacle, ground).clamp(max=80.0)
+    pts = torch.stack([r * az.cos(), r * az.sin(), (r * elev.tan()).clamp(min=-1.8),
+                       torch.rand(32, per_beam, generator=gen) * 255, (torch.arange(per_beam) % 10 * 0.05).expand(
+                           32, per_beam)], -1).reshape(-1, 5)
+    pts[:, :3] += torch.randn(pts.shape[0], 3, generator=gen) * 0.02
+    return pts.contiguous()
+
+
+def bench_voxel(quick: bool, reps: int) -> None:
+    """mmcv's CPU hard_voxelize (deterministic) vs loongkit::hard_voxelize, nuScenes CenterPoint grid."""
+    try:
+        from mmcv.ops.voxelize import voxelization
+    except (ImportError, OSError) as exc:  # mmcv without compiled ops
+        print(f"# voxel: skipped, mmcv.ops unavailable ({type(exc).__name__})", flush=True)
+        return
+    from loongkit_ops.kernels import ops
+
+    gen = torch.Generator().manual_seed(0)
+    n = 120_000 if quick else 300_000
+    pts = lidar_cloud(n, gen)
+    size, rng = [0.075, 0.075, 0.2], [-54.0, -54.0, -5.0, 54.0, 54.0, 3.0]
+    expected = voxelization(pts, size, rng, 10, 90000, True)
+    got = ops.hard_voxelize_op(pts, size, rng, 10, 90000)
+    for e, g in zip(expected, got, strict=True):  # identical output, or no number at all
+        assert e.dtype == g.dtype and torch.equal(e, g), "loongkit::hard_voxelize differs from mmcv"
+    print(f"# voxel: {n} points -> {got[0].shape[0]} voxels (cap 90000), identical output", flush=True)
+    compare(f"voxelize_centerpoint_{n // 1000}k", lambda: voxelization(pts, size, rng, 10, 90000, True),
+            lambda: ops.hard_voxelize_op(pts, size, rng, 10, 90000), reps)
 
 
 def daf_grid_sample(feature_maps: list[torch.Tensor], points: torch.Tensor, weights: torch.Tensor,
@@ -208,7 +291,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="BEVFormer-tiny shapes only, fewer repetitions")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--only", choices=("msda", "dice", "daf", "bev_pool"), default=None)
+    parser.add_argument("--only", choices=("msda", "dice", "daf", "bev_pool", "voxel"), default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -222,7 +305,7 @@ def main() -> None:
 
     # The baselines are the upstream packages: without them (nox's plain bench venv) say so, exit 0.
     for part, needs, run in (("msda", "mmcv", bench_msda), ("dice", "mmseg", bench_dice), ("daf", "torch", bench_daf),
-                             ("bev_pool", "torch", bench_bev_pool)):
+                             ("bev_pool", "torch", bench_bev_pool), ("voxel", "mmcv", bench_voxel)):
         if args.only not in (None, part):
             continue
         if importlib.util.find_spec(needs) is None:

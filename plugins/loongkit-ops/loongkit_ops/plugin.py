@@ -45,12 +45,14 @@ _declare("openvla", 1, "torch.compile the Llama-2 decoder layers of an OpenVLA-s
 _declare("mmdet_modules", 1, "torch.compile selected modules registered in mmdet.models.builder.MODELS.",
          ("torch>=2.6.0", "mmdet>=2.12.0,<=2.28.3"), ("mmdet.models.builder",),
          ("LOONGKIT_COMPILE_MMDET_MODULES_FILTER",), impl="loongkit_ops.compile.mmdet_modules:CompileMMDetModules")
-_declare("dice_loss", 1, "Fused DiceLoss for mmseg.", ("mmseg>=0.12.0,<=1.0.0",), ("mmseg.models.losses.dice_loss",))
+_declare("dice_loss", 1, "Fused DiceLoss for mmseg 0.x.", ("mmseg>=0.12.0,<=1.0.0",),
+         ("mmseg.models.losses.dice_loss",), impl="loongkit_ops.patches.dice:DiceLossMmseg0")
 _declare("dice_loss_mmseg1", 1, "Fused DiceLoss for mmseg >= 1.1 (its rewritten loss; LOONGKIT_DICE_LOSS covers 0.x).",
          ("mmseg>=1.1.0",), ("mmseg.models.losses.dice_loss",), impl="loongkit_ops.patches.dice:DiceLossMmseg1")
 _declare("dag", 1, "Fused deformable aggregation for DeformableFeatureAggregation (Sparse4D).", ("torch>=2.4.0",),
          ("mmengine.registry.registry", "mmcv.utils.registry"), impl="loongkit_ops.patches.dag:SparseDAG")
-_declare("voxelization", 3, "Faster hard_voxelize for mmcv/mmdet3d voxelization.", (), ("mmcv.ops.voxelize",))
+_declare("voxelization", 3, "Faster CPU hard_voxelize for mmcv/mmdet3d voxelization (identical output).",
+         ("torch>=2.4.0",), ("mmcv.ops.voxelize",), impl="loongkit_ops.patches.voxelize:Voxelization")
 _declare("bevformer", 1, "Fused SpatialCrossAttention / TemporalSelfAttention of BEVFormer.", ("torch>=2.4.0",),
          ("mmcv.ops.multi_scale_deform_attn", "mmcv.utils.registry", "mmengine.registry.registry"),
          impl="loongkit_ops.patches.bevformer:Bevformer")

@@ -26,7 +26,7 @@ from loongkit_core.feature import FeatureRecord  # noqa: E402
 from loongkit_core.log import get_logger  # noqa: E402
 
 SEED = int(np.random.SeedSequence().entropy % 2**32)  # fresh each run; printed on failure
-WIDTHS = (1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 47, 64, 100, 127)
+WIDTHS = (1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 47, 64, 100, 127, 641, 1333)  # SIMD blocks of 8/16 + tails
 
 
 def mismatches(a: np.ndarray, b: np.ndarray) -> int:
@@ -105,6 +105,35 @@ def test_imnormalize_inplace_bit_exact(kernel: Any) -> None:
         out, why = ops.imnormalize_(mine, mean, std, bool(w % 2))
         assert out is mine, why
         bad += mismatches(mine, theirs)
+    assert bad == 0, f"seed {SEED}"
+
+
+def test_imnormalize_uint8_routes_bit_exact(kernel: Any) -> None:
+    """uint8 input takes a float32-only product only when its exhaustive per-call check passes.
+
+    A zero std (1/std = inf) makes that check fail: the call must then take the float64 route,
+    and both routes must match mmcv bit for bit.
+    """
+    from mmcv.image import photometric
+
+    rng = np.random.default_rng(SEED + 5)
+    bad = 0
+    for zero_std in (False, True):
+        mean = rng.uniform(0, 255, 3)
+        std = rng.uniform(1, 80, 3)
+        if zero_std:
+            std[int(rng.integers(3))] = 0.0
+        m, s = ops._norm_params(mean, std)
+        if zero_std:
+            assert kernel.imnormalize_split(m, s) is False
+        for w in (16, 47, 641):
+            img = random_image(rng, 3, w, np.uint8)
+            for to_rgb in (True, False):
+                ours, why = ops.imnormalize(img, mean, std, to_rgb)
+                assert ours is not None, why
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    theirs = photometric.imnormalize(img, mean, std, to_rgb)
+                bad += mismatches(ours, theirs)
     assert bad == 0, f"seed {SEED}"
 
 

@@ -24,12 +24,14 @@ __all__ = ["CACHE_ENV", "EXTENSION", "failure", "load", "main"]
 # No -ffast-math: NaN/inf handling and the summation order written in the source are kept; the
 # vector loops are marked `omp simd` explicitly instead. -fopenmp makes at::parallel_for parallel
 # (torch's OpenMP region); the libgomp torch bundles has the same soname, so one runtime is shared.
+# No -std flag: torch's tooling passes the standard its headers need (C++17 up to 2.13, C++20 from
+# 2.14, whose headers #error under C++17); the sources compile under both.
 EXTENSION = Extension(
     name="loongkit_ops_kernels",
     directory=Path(__file__).with_name("cpu"),
-    sources=("bindings.cpp", "msda.cpp", "dice.cpp", "daf.cpp", "bev_pool.cpp"),
+    sources=("bindings.cpp", "msda.cpp", "dice.cpp", "daf.cpp", "bev_pool.cpp", "voxelize.cpp"),
     headers=("kernels.h",),
-    cflags=("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c++17"),
+    cflags=("-O3", "-march=native", "-fno-math-errno", "-fopenmp"),
     ldflags=("-fopenmp",),
 )
 

@@ -3,8 +3,8 @@
 Each op picks its backend per call: the compiled C++ kernel for float32/float64 CPU tensors, the
 Triton kernel for CUDA tensors (when triton imports), otherwise the reference implementation
 (:mod:`loongkit_ops.kernels.reference`, same maths in plain torch), so an op never fails because a
-kernel is missing. :func:`msda_backend`, :func:`dice_backend`, :func:`daf_backend` and
-:func:`bev_pool_backend` say which one a tensor gets, and why.
+kernel is missing. :func:`msda_backend`, :func:`dice_backend`, :func:`daf_backend`,
+:func:`bev_pool_backend` and :func:`voxelize_backend` say which one a tensor gets, and why.
 
 Being custom ops (not autograd.Functions), they are opaque single nodes to torch.compile: dynamo and
 AOTAutograd trace them through their fake impls, without graph breaks.
@@ -208,6 +208,58 @@ dice_stats_op.register_autograd(_dice_backward, setup_context=_dice_setup_contex
 
 
 # ------------------------------------------------------------------------------------------------
+# Dice loss statistics per class (mmseg 0.x DiceLoss)
+
+
+@torch.library.custom_op("loongkit::dice_class_stats", mutates_args=())
+def dice_class_stats_op(logits: Tensor, target: Tensor, ignore_index: int, exponent: float) -> Tensor:
+    """[N, C, 3] per-(sample, class) (sum p*t*valid, sum p^e, sum t^e) of logits [N, C, S] and labels [N, S]."""
+    if dice_backend(logits)[0] == "reference":
+        return reference.dice_class_stats(logits, target, ignore_index, exponent)
+    stats = logits.new_empty(logits.shape[0], logits.shape[1], 3)
+    kernels.load().dice_class_stats_forward(logits.contiguous(), target.to(torch.int64).contiguous(), ignore_index,
+                                            exponent, stats)
+    return stats
+
+
+@dice_class_stats_op.register_fake
+def _(logits: Tensor, target: Tensor, ignore_index: int, exponent: float) -> Tensor:
+    torch._check(logits.dim() == 3 and target.dim() == 2)
+    return logits.new_empty(logits.shape[0], logits.shape[1], 3)
+
+
+@torch.library.custom_op("loongkit::dice_class_stats_backward", mutates_args=())
+def dice_class_stats_backward_op(grad_stats: Tensor, logits: Tensor, target: Tensor, ignore_index: int,
+                                 exponent: float) -> Tensor:
+    if dice_backend(logits)[0] == "reference":
+        _, vjp = torch.func.vjp(lambda x: reference.dice_class_stats(x, target, ignore_index, exponent), logits)
+        return vjp(grad_stats)[0].contiguous()
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    kernels.load().dice_class_stats_backward(logits.contiguous(), target.to(torch.int64).contiguous(), ignore_index,
+                                             exponent, grad_stats.contiguous(), grad)
+    return grad
+
+
+@dice_class_stats_backward_op.register_fake
+def _(grad_stats: Tensor, logits: Tensor, target: Tensor, ignore_index: int, exponent: float) -> Tensor:
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _dice_class_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    logits, target, ignore_index, exponent = inputs
+    ctx.save_for_backward(logits, target)
+    ctx.args = (ignore_index, exponent)
+
+
+def _dice_class_backward(ctx: Any, grad_stats: Tensor) -> tuple[Tensor | None, ...]:
+    logits, target = ctx.saved_tensors
+    return dice_class_stats_backward_op(grad_stats, logits, target, *ctx.args), None, None, None
+
+
+dice_class_stats_op.register_autograd(_dice_class_backward, setup_context=_dice_class_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------
 # Deformable aggregation (Sparse4D / SparseDrive)
 
 
@@ -386,3 +438,54 @@ def _bev_pool_backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ..
 
 
 bev_pool_op.register_autograd(_bev_pool_backward, setup_context=_bev_pool_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------
+# Voxelization (mmcv hard_voxelize / dynamic_voxelize, deterministic)
+
+_VOXEL_DTYPES = (torch.float16, torch.float32, torch.float64)
+
+
+def voxelize_backend(points: Tensor) -> tuple[str, str]:
+    """(backend, reason): 'cpu' or 'reference' (the sort-based torch implementation)."""
+    if points.device.type != "cpu":
+        return "reference", f"no voxelization kernel for device {points.device.type}"
+    if points.dtype not in _VOXEL_DTYPES:
+        return "reference", f"CPU kernel takes float16/float32/float64, not {points.dtype}"
+    if kernels.load() is None:
+        return "reference", f"CPU kernel unavailable: {kernels.failure()}"
+    return "cpu", ""
+
+
+@torch.library.custom_op("loongkit::hard_voxelize", mutates_args=())
+def hard_voxelize_op(points: Tensor, voxel_size: list[float], coors_range: list[float], max_points: int,
+                     max_voxels: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(voxels [M, max_points, F], coors int32 [M, 3] (z, y, x), num_points int32 [M]) of points [N, F]."""
+    if voxelize_backend(points)[0] == "reference":
+        return reference.hard_voxelize(points, voxel_size, coors_range, max_points, max_voxels)
+    voxels, coors, num = kernels.load().hard_voxelize(points.contiguous(), voxel_size, coors_range, max_points,
+                                                      max_voxels)
+    return voxels, coors, num
+
+
+@hard_voxelize_op.register_fake
+def _(points: Tensor, voxel_size: list[float], coors_range: list[float], max_points: int,
+      max_voxels: int) -> tuple[Tensor, Tensor, Tensor]:
+    torch._check(points.dim() == 2)
+    m = torch.library.get_ctx().new_dynamic_size()  # data-dependent: the number of occupied voxels
+    return (points.new_empty(m, max_points, points.shape[1]), points.new_empty(m, 3, dtype=torch.int32),
+            points.new_empty(m, dtype=torch.int32))
+
+
+@torch.library.custom_op("loongkit::dynamic_voxelize", mutates_args=())
+def dynamic_voxelize_op(points: Tensor, voxel_size: list[float], coors_range: list[float]) -> Tensor:
+    """int32 [N, 3] (z, y, x) voxel of each point, -1 rows for points outside coors_range."""
+    if voxelize_backend(points)[0] == "reference":
+        return reference.dynamic_voxelize(points, voxel_size, coors_range)
+    return kernels.load().dynamic_voxelize(points.contiguous(), voxel_size, coors_range)
+
+
+@dynamic_voxelize_op.register_fake
+def _(points: Tensor, voxel_size: list[float], coors_range: list[float]) -> Tensor:
+    torch._check(points.dim() == 2)
+    return points.new_empty(points.shape[0], 3, dtype=torch.int32)

@@ -6,6 +6,8 @@ float64), and serve as the custom ops' fallback when no compiled kernel can run.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -68,6 +70,22 @@ def dice_stats(logits: Tensor, target: Tensor, activation: int, drop_class: int,
     return torch.stack([a, b, t], 1).reshape(n, 3)
 
 
+def dice_class_stats(logits: Tensor, target: Tensor, ignore_index: int, exponent: float) -> Tensor:
+    """Per-(sample, class) (sum p*t*valid, sum p^e, sum t^e) of mmseg 0.x DiceLoss; [N, C, 3].
+
+    p = softmax over C of logits [N, C, S]; t = one-hot of clamp(target, 0, C-1) (an ignored label
+    such as 255 lands in class C-1's t); valid = target != ignore_index masks the first sum only.
+    """
+    c = logits.shape[1]
+    p = torch.softmax(logits, dim=1)
+    onehot = (target.clamp(0, c - 1)[:, None, :] == torch.arange(c, device=logits.device)[None, :, None]).to(p.dtype)
+    valid = (target != ignore_index).to(p.dtype)[:, None, :]
+    a = (p * onehot * valid).sum(2)
+    b = p.pow(exponent).sum(2)
+    t = onehot.pow(exponent).sum(2)
+    return torch.stack([a, b, t], 2)
+
+
 def deformable_aggregation(mc_ms_feat: Tensor, spatial_shape: Tensor, scale_start_index: Tensor,
                            sampling_location: Tensor, weights: Tensor, inside_only: bool = True) -> Tensor:
     """Sparse4D's deformable aggregation by explicit gathers of the four bilinear corners.
@@ -123,3 +141,54 @@ def bev_pool(feats: Tensor, coords: Tensor, B: int, Z: int, X: int, Y: int) -> T
     out = feats.new_zeros(B * Z * X * Y, C)
     out = out.index_add(0, voxel[inside], feats[inside])
     return out.reshape(B, Z, X, Y, C).permute(0, 4, 1, 2, 3).contiguous()
+
+
+def _voxel_coords(points: Tensor, voxel_size: Sequence[float], coors_range: Sequence[float]) -> tuple[Tensor, Tensor]:
+    """((z, y, x) int64 [N, 3], inside [N] bool) with mmcv's arithmetic: float32 grid values, computed
+    in float32 for float32/float16 points and in float64 for float64 points."""
+    size = torch.tensor(list(voxel_size), dtype=torch.float32)
+    rng = torch.tensor(list(coors_range), dtype=torch.float32)
+    grid = torch.round((rng[3:] - rng[:3]) / size).to(torch.int64)
+    acc = torch.float64 if points.dtype == torch.float64 else torch.float32
+    f = torch.floor((points[:, :3].to(acc) - rng[:3].to(acc)) / size.to(acc))
+    inside = ((f >= 0) & (f < grid.to(acc))).all(1)  # NaN fails: dropped
+    xyz = torch.where(inside[:, None], f, torch.zeros_like(f)).to(torch.int64)
+    return xyz.flip(1), inside
+
+
+def dynamic_voxelize(points: Tensor, voxel_size: Sequence[float], coors_range: Sequence[float]) -> Tensor:
+    """mmcv's dynamic voxelization: int32 (z, y, x) per point, -1 rows outside the range."""
+    zyx, inside = _voxel_coords(points, voxel_size, coors_range)
+    return torch.where(inside[:, None], zyx, torch.full_like(zyx, -1)).to(torch.int32)
+
+
+def hard_voxelize(points: Tensor, voxel_size: Sequence[float], coors_range: Sequence[float], max_points: int,
+                  max_voxels: int) -> tuple[Tensor, Tensor, Tensor]:
+    """mmcv's deterministic hard voxelization, by sorting instead of a sequential scan.
+
+    A voxel's id is the rank of its first point's index among the voxels' first points (ids >=
+    max_voxels are dropped with all their points); a point's slot is its rank among its voxel's
+    points in input order (slots >= max_points are dropped); unused slots are zero.
+    """
+    n, feat = points.shape
+    zyx, inside = _voxel_coords(points, voxel_size, coors_range)
+    idx = torch.nonzero(inside).flatten()
+    zyx = zyx[idx]
+    keys, inverse = torch.unique(zyx, dim=0, return_inverse=True)
+    first = torch.full((keys.shape[0],), n, dtype=torch.int64).scatter_reduce(0, inverse, idx, "amin")
+    order = torch.argsort(first)  # voxel ids in order of their first point
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel())
+    vid = rank[inverse]  # voxel id of each kept point
+    # Slot: the point's position among its voxel's points (a stable sort by voxel id keeps input order).
+    by_voxel = torch.sort(vid, stable=True)
+    starts = torch.searchsorted(by_voxel.values, by_voxel.values, right=False)
+    slot = torch.empty_like(vid)
+    slot[by_voxel.indices] = torch.arange(vid.numel()) - starts
+    m = min(int(keys.shape[0]), max_voxels)
+    keep = (vid < m) & (slot < max_points)
+    voxels = points.new_zeros(m, max_points, feat)
+    voxels[vid[keep], slot[keep]] = points[idx[keep]]
+    counts = torch.bincount(vid[vid < m], minlength=m).clamp(max=max_points)
+    coors = keys[order[:m]].to(torch.int32)
+    return voxels, coors, counts.to(torch.int32)

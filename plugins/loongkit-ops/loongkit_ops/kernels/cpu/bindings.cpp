@@ -12,8 +12,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("msda_backward", &loongkit::msda_backward, nogil);
     m.def("dice_stats_forward", &loongkit::dice_stats_forward, nogil);
     m.def("dice_stats_backward", &loongkit::dice_stats_backward, nogil);
+    m.def("dice_class_stats_forward", &loongkit::dice_class_stats_forward, nogil);
+    m.def("dice_class_stats_backward", &loongkit::dice_class_stats_backward, nogil);
     m.def("daf_forward", &loongkit::daf_forward, nogil);
     m.def("daf_backward", &loongkit::daf_backward, nogil);
     m.def("bev_pool_forward", &loongkit::bev_pool_forward, nogil);
     m.def("bev_pool_backward", &loongkit::bev_pool_backward, nogil);
+    m.def("hard_voxelize", &loongkit::hard_voxelize, nogil);
+    m.def("dynamic_voxelize", &loongkit::dynamic_voxelize, nogil);
 }

@@ -1,4 +1,5 @@
-// mmseg 1.x DiceLoss statistics, fused (forward and backward); threads via at::parallel_for (torch's
+// DiceLoss statistics of mmseg 1.x (per sample) and 0.x (per sample and class, at the end of the file),
+// fused (forward and backward); threads via at::parallel_for (torch's
 // OpenMP region and thread count), `omp simd` inner loops.
 //
 // mmseg >= 1.1 computes, per sample n over all kept classes and pixels together:
@@ -185,6 +186,121 @@ void stats_backward_impl(const T* logits, const int64_t* target, int64_t N, int6
     });
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// mmseg 0.x DiceLoss: per-(sample, class) sums over the pixels of one sample.
+//   A[n,c] = sum_s p * t * valid,  B[n,c] = sum_s p^e,  T[n,c] = sum_s t^e (= count of t == 1, e > 0)
+// p = softmax over C, t = one-hot of clamp(label, 0, C-1) (so an ignored 255 is class C-1 in T and in
+// nothing else), valid = label != ignore_index; the mask applies to A only, as upstream.
+
+enum PowMode : int { kPowGeneral = 0, kPowOne = 1, kPowTwo = 2 };
+
+inline int pow_mode(double e) { return e == 1.0 ? kPowOne : (e == 2.0 ? kPowTwo : kPowGeneral); }
+
+template <typename T>
+void class_stats_impl(const T* logits, const int64_t* target, int64_t N, int64_t C, int64_t S, int64_t ignore,
+                      double exponent, T* stats) {
+    const int64_t blocks = (S + kBlock - 1) / kBlock, tasks = N * blocks;
+    const int mode = pow_mode(exponent);
+    const T e = static_cast<T>(exponent);
+    std::vector<double> part(static_cast<size_t>(tasks * C * 3));
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+        std::vector<T> prob(static_cast<size_t>(C * kBlock)), scratch(2 * kBlock);
+        for (int64_t t = begin; t < end; ++t) {
+            const int64_t n = t / blocks, s0 = (t % blocks) * kBlock, len = std::min(kBlock, S - s0);
+            const int64_t* lab = target + n * S + s0;
+            block_probs<T>(logits + n * C * S + s0, C, S, len, kSoftmax, prob.data(), scratch.data());
+            double* out = part.data() + t * C * 3;
+            for (int64_t c = 0; c < C; ++c) {
+                const T* __restrict pc = prob.data() + c * len;
+                T acc = T(0);
+                if (mode == kPowTwo) {
+#pragma omp simd reduction(+ : acc)
+                    for (int64_t s = 0; s < len; ++s) acc += pc[s] * pc[s];
+                } else if (mode == kPowOne) {
+#pragma omp simd reduction(+ : acc)
+                    for (int64_t s = 0; s < len; ++s) acc += pc[s];
+                } else {
+                    for (int64_t s = 0; s < len; ++s) acc += std::pow(pc[s], e);
+                }
+                out[3 * c] = 0;
+                out[3 * c + 1] = acc;
+                out[3 * c + 2] = 0;
+            }
+            for (int64_t s = 0; s < len; ++s) {
+                const int64_t k = std::clamp<int64_t>(lab[s], 0, C - 1);  // upstream clamps to C-1
+                if (lab[s] != ignore) out[3 * k] += prob[k * len + s];
+                out[3 * k + 2] += 1;
+            }
+        }
+    });
+    // Task order, not thread order: the result does not depend on the thread count.
+    std::vector<double> acc(static_cast<size_t>(C * 3));
+    for (int64_t n = 0; n < N; ++n) {
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (int64_t j = 0; j < blocks; ++j) {
+            const double* p = part.data() + (n * blocks + j) * C * 3;
+            for (int64_t k = 0; k < C * 3; ++k) acc[k] += p[k];
+        }
+        for (int64_t k = 0; k < C * 3; ++k) stats[n * C * 3 + k] = static_cast<T>(acc[k]);
+    }
+}
+
+template <typename T>
+void class_stats_backward_impl(const T* logits, const int64_t* target, int64_t N, int64_t C, int64_t S,
+                               int64_t ignore, double exponent, const T* gstats, T* glogits) {
+    const int64_t blocks = (S + kBlock - 1) / kBlock, tasks = N * blocks;
+    const int mode = pow_mode(exponent);
+    const T e = static_cast<T>(exponent), em1 = static_cast<T>(exponent - 1.0);
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+        std::vector<T> prob(static_cast<size_t>(C * kBlock)), scratch(2 * kBlock), gp(static_cast<size_t>(C * kBlock));
+        std::vector<T> dot(kBlock);
+        for (int64_t t = begin; t < end; ++t) {
+            const int64_t n = t / blocks, s0 = (t % blocks) * kBlock, len = std::min(kBlock, S - s0);
+            const int64_t* lab = target + n * S + s0;
+            T* gx = glogits + n * C * S + s0;
+            const T* g = gstats + n * C * 3;
+            block_probs<T>(logits + n * C * S + s0, C, S, len, kSoftmax, prob.data(), scratch.data());
+            // dB/dp = e * p^(e-1); dA/dp = t * valid.
+            for (int64_t c = 0; c < C; ++c) {
+                const T* __restrict pc = prob.data() + c * len;
+                T* __restrict gc = gp.data() + c * len;
+                const T gb = g[3 * c + 1];
+                if (mode == kPowTwo) {
+                    const T g2 = T(2) * gb;
+#pragma omp simd
+                    for (int64_t s = 0; s < len; ++s) gc[s] = g2 * pc[s];
+                } else if (mode == kPowOne) {
+                    std::fill(gc, gc + len, gb);
+                } else {
+                    for (int64_t s = 0; s < len; ++s) gc[s] = gb * e * std::pow(pc[s], em1);
+                }
+            }
+            for (int64_t s = 0; s < len; ++s) {
+                if (lab[s] == ignore) continue;
+                const int64_t k = std::clamp<int64_t>(lab[s], 0, C - 1);
+                gp[k * len + s] += g[3 * k];
+            }
+            std::fill(dot.begin(), dot.begin() + len, T(0));
+            for (int64_t c = 0; c < C; ++c) {
+                const T* __restrict pc = prob.data() + c * len;
+                const T* __restrict gc = gp.data() + c * len;
+                T* __restrict d = dot.data();
+#pragma omp simd
+                for (int64_t s = 0; s < len; ++s) d[s] += pc[s] * gc[s];
+            }
+            for (int64_t c = 0; c < C; ++c) {
+                const T* __restrict pc = prob.data() + c * len;
+                const T* __restrict gc = gp.data() + c * len;
+                const T* __restrict d = dot.data();
+                T* __restrict o = gx + c * S;
+#pragma omp simd
+                for (int64_t s = 0; s < len; ++s) o[s] = pc[s] * (gc[s] - d[s]);
+            }
+        }
+    });
+}
+
 }  // namespace
 
 void dice_stats_forward(const at::Tensor& logits, const at::Tensor& target, int64_t activation, int64_t drop_class,
@@ -211,6 +327,38 @@ void dice_stats_backward(const at::Tensor& logits, const at::Tensor& target, int
         stats_backward_impl<scalar_t>(logits.data_ptr<scalar_t>(), target.data_ptr<int64_t>(), logits.size(0),
                                       logits.size(1), logits.size(2), activation, drop_class, naive,
                                       grad_stats.data_ptr<scalar_t>(), grad_logits.data_ptr<scalar_t>());
+    });
+}
+
+}  // namespace loongkit
+
+namespace loongkit {
+
+void dice_class_stats_forward(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
+                              double exponent, at::Tensor& stats) {
+    check(logits, target);
+    TORCH_CHECK(exponent > 0 && logits.size(1) > 0, "exponent must be > 0 and there must be a class");
+    TORCH_CHECK(stats.is_contiguous() && stats.numel() == 3 * logits.size(0) * logits.size(1) &&
+                    stats.scalar_type() == logits.scalar_type(), "bad stats");
+    AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "loongkit_dice_class_stats", [&] {
+        class_stats_impl<scalar_t>(logits.data_ptr<scalar_t>(), target.data_ptr<int64_t>(), logits.size(0),
+                                   logits.size(1), logits.size(2), ignore_index, exponent,
+                                   stats.data_ptr<scalar_t>());
+    });
+}
+
+void dice_class_stats_backward(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
+                               double exponent, const at::Tensor& grad_stats, at::Tensor& grad_logits) {
+    check(logits, target);
+    TORCH_CHECK(exponent > 0 && logits.size(1) > 0, "exponent must be > 0 and there must be a class");
+    TORCH_CHECK(grad_stats.is_contiguous() && grad_stats.numel() == 3 * logits.size(0) * logits.size(1) &&
+                    grad_stats.scalar_type() == logits.scalar_type(), "bad grad_stats");
+    TORCH_CHECK(grad_logits.is_contiguous() && grad_logits.sizes() == logits.sizes() &&
+                    grad_logits.scalar_type() == logits.scalar_type(), "bad grad_logits");
+    AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "loongkit_dice_class_stats_backward", [&] {
+        class_stats_backward_impl<scalar_t>(logits.data_ptr<scalar_t>(), target.data_ptr<int64_t>(),
+                                            logits.size(0), logits.size(1), logits.size(2), ignore_index, exponent,
+                                            grad_stats.data_ptr<scalar_t>(), grad_logits.data_ptr<scalar_t>());
     });
 }
 

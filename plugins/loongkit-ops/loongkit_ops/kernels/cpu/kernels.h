@@ -1,4 +1,4 @@
-// Entry points of loongkit-ops' CPU kernels (defined in msda.cpp, dice.cpp, daf.cpp and bev_pool.cpp,
+// Entry points of loongkit-ops' CPU kernels (defined in msda.cpp, dice.cpp, daf.cpp, bev_pool.cpp and voxelize.cpp,
 // bound in bindings.cpp).
 // Callers (kernels/ops.py) pass contiguous tensors of one floating dtype (float or double) and
 // preallocated outputs; argument shapes are checked here once more because a wrong shape would
@@ -24,6 +24,13 @@ void dice_stats_forward(const at::Tensor& logits, const at::Tensor& target, int6
 void dice_stats_backward(const at::Tensor& logits, const at::Tensor& target, int64_t activation,
                          int64_t drop_class, bool naive, const at::Tensor& grad_stats, at::Tensor& grad_logits);
 
+// Per-(sample, class) sums of mmseg 0.x DiceLoss (softmax): stats [N, C, 3] = (sum p*t*valid, sum p^e,
+// sum t^e) with t the one-hot of clamp(label, 0, C-1) and valid = label != ignore_index; exponent > 0.
+void dice_class_stats_forward(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
+                              double exponent, at::Tensor& stats);
+void dice_class_stats_backward(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
+                               double exponent, const at::Tensor& grad_stats, at::Tensor& grad_logits);
+
 // Deformable aggregation: out [bs, anchors, C] from mc_ms_feat [bs, num_feat, C]; spatial_shape int64
 // [cams, levels, 2], scale_start int64 [cams, levels], loc [bs, anchors, pts, cams, 2], weights
 // [bs, anchors, pts, cams, levels, groups]. inside_only: samples not strictly inside (0, 1) are dropped.
@@ -42,5 +49,16 @@ void bev_pool_forward(const at::Tensor& feats, const at::Tensor& coords, int64_t
                       at::Tensor& out);
 void bev_pool_backward(const at::Tensor& grad_out, const at::Tensor& coords, int64_t B, int64_t Z, int64_t X,
                        int64_t Y, at::Tensor& grad_feats);
+
+// mmcv hard_voxelize (deterministic) on CPU: (voxels [M, max_points, F] zero-padded, coors int32 [M, 3]
+// as (z, y, x), num_points int32 [M]); voxel ids in order of each voxel's first point, at most
+// max_voxels voxels and max_points points per voxel. voxel_size (3) and coors_range (6) are taken as
+// float32 values, as mmcv does.
+std::vector<at::Tensor> hard_voxelize(const at::Tensor& points, const std::vector<double>& voxel_size,
+                                      const std::vector<double>& coors_range, int64_t max_points,
+                                      int64_t max_voxels);
+// mmcv dynamic_voxelize: int32 [N, 3] (z, y, x) per point, -1 rows for points outside the range.
+at::Tensor dynamic_voxelize(const at::Tensor& points, const std::vector<double>& voxel_size,
+                            const std::vector<double>& coors_range);
 
 }  // namespace loongkit
