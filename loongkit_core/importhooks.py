@@ -27,6 +27,7 @@ _callbacks: dict[str, list[Callback]] = {}
 _pending_on_root: dict[str, list[str]] = {}  # root package -> submodules that finished early
 _local = threading.local()
 _completed: set[str] = set()  # modules whose exec_module returned under our watch
+_inflight: dict[str, list[Callback]] = {}  # registered while importing outside our loader
 _error_handler: Callable[[str, Callback, BaseException], None] | None = None
 
 
@@ -59,6 +60,8 @@ class _ChainedLoader(importlib.abc.Loader):
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if _inflight:
+            _check_inflight()
         if fullname not in _callbacks:
             return None
         busy: set[str] = getattr(_local, "busy", None) or set()
@@ -110,6 +113,15 @@ def _fire(name: str) -> None:
     module = sys.modules.get(name)
     if module is None:
         return
+    parent_name, _, child = name.rpartition(".")
+    parent = sys.modules.get(parent_name) if parent_name else None
+    if parent is not None and getattr(parent, child, None) is not module:
+        # importlib binds a submodule to its package only after exec_module returns; callbacks run
+        # inside it, and `import a.b as m` / `a.b` must already work there.
+        try:
+            setattr(parent, child, module)
+        except (AttributeError, TypeError):
+            pass
     with _lock:
         callbacks = _callbacks.pop(name, [])
         later = _pending_on_root.pop(name, []) if root == name else []
@@ -129,12 +141,34 @@ def _run(name: str, callback: Callback, module: ModuleType) -> None:
             _error_handler(name, callback, exc)
 
 
+def _check_inflight() -> None:
+    """Fire callbacks of modules that were mid-import (not under our loader) when registered and have
+    finished since; checked at every later import, which is when anything could depend on them."""
+    with _lock:
+        done = [name for name in _inflight
+                if name in sys.modules and not _initialising(name)
+                and not _initialising(name.partition(".")[0])]
+        ready = [(name, _inflight.pop(name)) for name in done]
+    for name, callbacks in ready:
+        _completed.add(name)
+        for callback in callbacks:
+            _run(name, callback, sys.modules[name])
+
+
 def when_imported(name: str, callback: Callback) -> None:
     """Call ``callback(module)`` once ``name`` is fully imported; now if it already is."""
     module = sys.modules.get(name)
     root = name.partition(".")[0]
     if module is not None and not _initialising(name) and not (root != name and _initialising(root)):
         _run(name, callback, module)
+        return
+    if module is not None and not isinstance(getattr(module.__spec__, "loader", None), _ChainedLoader) \
+            and name not in _callbacks:
+        # Registered while the module itself is importing (its loader is not ours): fire at the
+        # next import after it completes.
+        with _lock:
+            _inflight.setdefault(name, []).append(callback)
+            _ensure_finder()
         return
     with _lock:
         _callbacks.setdefault(name, []).append(callback)
@@ -146,7 +180,7 @@ def when_imported(name: str, callback: Callback) -> None:
 
 def watched() -> list[str]:
     with _lock:
-        return [name for name, cbs in _callbacks.items() if cbs]
+        return [name for name, cbs in _callbacks.items() if cbs] + list(_inflight)
 
 
 def reset() -> None:
@@ -155,5 +189,6 @@ def reset() -> None:
         _callbacks.clear()
         _pending_on_root.clear()
         _completed.clear()
+        _inflight.clear()
     if _finder in sys.meta_path:
         sys.meta_path.remove(_finder)

@@ -99,3 +99,33 @@ def test_missing_module_still_raises(pkg: str) -> None:
     importhooks.when_imported(f"{pkg}.nothere", lambda m: None)
     with pytest.raises(ModuleNotFoundError):
         __import__(f"{pkg}.nothere")
+
+
+def test_submodule_is_bound_to_its_package_when_the_callback_runs(pkg: str) -> None:
+    seen = []
+    importhooks.when_imported(f"{pkg}.late", lambda m: seen.append(getattr(sys.modules[pkg], "late", None) is m))
+    __import__(pkg)
+    __import__(f"{pkg}.late")
+    assert seen == [True]
+
+
+def test_registered_while_the_module_is_importing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module that registers a hook on itself mid-import (not under our loader) fires once it is done."""
+    name = f"lkself_{abs(hash(tmp_path)) % 10**8}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(f"""
+        from loongkit_core import importhooks
+        SEEN = []
+        importhooks.when_imported({name!r}, lambda m: SEEN.append(getattr(m, "DONE", False)))
+        DONE = True
+    """))
+    (tmp_path / f"{name}_next.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        module = __import__(name)
+        assert module.SEEN == []  # still importing when registered: nothing yet
+        __import__(f"{name}_next")  # any later import completes the check
+        assert module.SEEN == [True]
+    finally:
+        sys.modules.pop(name, None)
+        sys.modules.pop(f"{name}_next", None)
+        importhooks.reset()
