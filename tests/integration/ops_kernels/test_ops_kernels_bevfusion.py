@@ -28,7 +28,7 @@ from loongkit_ops import kernels  # noqa: E402
 from loongkit_ops.patches.bevfusion import BevFusionPool  # noqa: E402
 from loongkit_ops.plugin import plugin  # noqa: E402
 
-from loongkit_core.context import ActivationContext, NotApplicable  # noqa: E402
+from loongkit_core.context import ActivationContext  # noqa: E402
 from loongkit_core.feature import FeatureRecord, State  # noqa: E402
 from loongkit_core.log import get_logger  # noqa: E402
 
@@ -176,12 +176,22 @@ def test_fork_with_other_pooling_is_left_alone(tmp_path: Path) -> None:
         assert "interface differs" in reason and "relu" in reason
 
 
-def test_kernel_unavailable_is_not_applicable(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernel_unavailable_leaves_the_class_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No kernel build when the registry is imported; a matching class that registers is skipped."""
     monkeypatch.setattr(kernels, "load", lambda: None)
     monkeypatch.setattr(kernels, "failure", lambda: "RuntimeError: no compiler")
     impl, ctx = activation()
-    with pytest.raises(NotApplicable, match="no compiler"):
-        impl.activate(ctx, "mmengine.registry.registry")
+    impl.activate(ctx, "mmengine.registry.registry")  # applies: nothing built yet
+    sys.path.insert(0, str(tmp_path))
+    try:
+        module = importlib.import_module(write_project(tmp_path, "lk_bevfusion_nokernel", TRANSFORMS))
+        assert not hasattr(module.BaseTransform.bev_pool, "__wrapped__")
+        assert "no compiler" in ctx.record.details["skipped"][f"{module.__name__}.BaseTransform"]
+    finally:
+        impl.deactivate(ctx)
+        sys.path.remove(str(tmp_path))
+        for name in [n for n in sys.modules if n.startswith("lk_bevfusion_nokernel")]:
+            del sys.modules[name]
 
 
 RUN = """

@@ -22,7 +22,7 @@ import inspect
 import sys
 from typing import Any
 
-from loongkit_core.context import ActivationContext, NotApplicable
+from loongkit_core.context import ActivationContext
 from loongkit_core.feature import State
 from loongkit_core.kit import FeatureImpl
 from loongkit_ops.patches.registry_hook import stop, watch_registrations
@@ -69,9 +69,6 @@ class BevFusionPool(FeatureImpl):
     def activate(self, ctx: ActivationContext, target: str | None) -> None:
         assert target is not None
         from loongkit_ops import kernels
-
-        if kernels.load() is None:
-            raise NotApplicable(f"CPU kernel unavailable: {kernels.failure()}")
         seen: dict[type, str] = {}
         self._seen = seen
         record = ctx.record
@@ -82,6 +79,8 @@ class BevFusionPool(FeatureImpl):
                 return
             where = f"{base.__module__}.{base.__qualname__}"
             problem = interface_problem(base)
+            if problem is None and kernels.load() is None:  # built only once a matching class registers
+                problem = f"CPU kernel unavailable: {kernels.failure()}"
             if problem:
                 seen[base] = problem
                 ctx.detail("skipped", {**record.details.get("skipped", {}), where: problem})  # type: ignore[dict-item]

@@ -32,7 +32,7 @@ import inspect
 import sys
 from typing import Any
 
-from loongkit_core.context import ActivationContext, NotApplicable
+from loongkit_core.context import ActivationContext
 from loongkit_core.feature import State
 from loongkit_core.kit import FeatureImpl
 from loongkit_ops.patches.registry_hook import stop, watch_registrations
@@ -147,9 +147,6 @@ class SparseDAG(FeatureImpl):
     def activate(self, ctx: ActivationContext, target: str | None) -> None:
         assert target is not None
         from loongkit_ops import kernels
-
-        if kernels.load() is None:
-            raise NotApplicable(f"CPU kernel unavailable: {kernels.failure()}")
         patched: dict[type, str] = getattr(self, "_patched", {})
         self._patched = patched
         record = ctx.record
@@ -158,6 +155,10 @@ class SparseDAG(FeatureImpl):
             if cls.__name__ != CLASS_NAME or cls in patched:
                 return
             problem = interface_problem(cls)
+            if problem is None and kernels.load() is None:
+                # Built here, when a matching class registers, not when the registry is imported
+                # (every OpenMMLab program imports it).
+                problem = f"CPU kernel unavailable: {kernels.failure()}"
             where = f"{cls.__module__}.{cls.__qualname__}"
             if problem:
                 patched[cls] = problem
