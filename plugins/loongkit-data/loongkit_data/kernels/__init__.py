@@ -20,16 +20,15 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import os
-import platform
-import shutil
 import sys
 import sysconfig
 import threading
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
+from loongkit_core.kernelcache import CACHE_ENV as CACHE_ENV  # re-exported: tests and docs name it here
+from loongkit_core.kernelcache import cache_root, compiler, cpu_identity
 from loongkit_core.log import get_logger
 
 NAME = "loongkit_data_kernels"
@@ -38,9 +37,9 @@ SOURCES = ("bindings.cpp",)
 HEADERS = ("simd.hpp", "imnormalize.hpp", "distortion.hpp")
 # -ffp-contract=off: never fuse a*b+c unless the source says fma() (bit-exactness with OpenCV).
 # No -ffast-math: IEEE semantics of every operation are part of the result.
-CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-std=c++17")
+# No -std: torch's tooling picks the standard its headers need (C++17 on 2.13, C++20 on 2.14).
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
-CACHE_ENV = "LOONGKIT_KERNEL_CACHE"  # overrides the cache directory (tests, read-only homes)
 
 log = get_logger("loongkit.data.kernels")
 
@@ -51,26 +50,8 @@ _tried = False
 build_seconds: float | None = None  # set in the process that compiled the extension
 
 
-def cache_root(environ: Any = None) -> Path:
-    env = os.environ if environ is None else environ
-    if env.get(CACHE_ENV):
-        return Path(env[CACHE_ENV])
-    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "loongkit" / "kernels"
-
-
-def compiler() -> str | None:
-    """The C++ compiler torch's tooling will call (``$CXX`` or ``c++``), resolved; None when absent."""
-    return shutil.which(os.environ.get("CXX", "c++"))
-
-
-def _cpu_identity() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            lines = [ln for ln in fh if ln.startswith(("model name", "flags", "Features", "CPU part"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return f"{platform.machine()} {platform.processor()}"
+# Cache directory, compiler and CPU identity are shared with every kernel-shipping plugin.
+_cpu_identity = cpu_identity
 
 
 def build_key(torch_version: str, cxx: str | None = None) -> str:

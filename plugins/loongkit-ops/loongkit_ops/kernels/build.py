@@ -17,8 +17,6 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import os
-import platform
-import shutil
 import sys
 import sysconfig
 import threading
@@ -26,35 +24,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
+from loongkit_core.kernelcache import CACHE_ENV as CACHE_ENV  # re-exported for loongkit_ops.kernels
+from loongkit_core.kernelcache import cache_root, compiler, cpu_identity
 from loongkit_core.log import get_logger
-
-CACHE_ENV = "LOONGKIT_KERNEL_CACHE"
 
 log = get_logger("loongkit.ops.kernels")
 
 
-def cache_root(environ: Any = None) -> Path:
-    env = os.environ if environ is None else environ
-    if env.get(CACHE_ENV):
-        return Path(env[CACHE_ENV])
-    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "loongkit" / "kernels"
-
-
-def compiler() -> str | None:
-    """The C++ compiler torch's tooling will call (``$CXX`` or ``c++``), resolved; None when absent."""
-    return shutil.which(os.environ.get("CXX", "c++"))
-
-
-def _cpu_identity() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            lines = [ln for ln in fh if ln.startswith(("model name", "flags", "Features", "CPU part"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return f"{platform.machine()} {platform.processor()}"
+# Cache directory, compiler and CPU identity are shared with every kernel-shipping plugin.
+_cpu_identity = cpu_identity
 
 
 def _reason(exc: BaseException) -> str:
