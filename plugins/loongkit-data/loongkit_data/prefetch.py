@@ -296,3 +296,29 @@ def no_cuda_reason(env: Any) -> str | None:
     if not hw.accelerators:
         return f"no CUDA device (no GPU under {hw.root.rstrip('/')}/sys/bus/pci/devices)"
     return None
+
+
+class PrefetchReport:
+    """The Summary and log side of a prefetch feature: why a pass was not prefetched, a failed copy,
+    and each prefetched batch (the Summary's '*'). Shared by the mmcv 1.x and mmengine patch layers."""
+
+    def __init__(self, ctx: Any, what: str) -> None:
+        self.ctx = ctx
+        self.what = what  # "runner" or "loop", for the log
+        self._skipped: set[str] = set()
+
+    def on_skip(self, reason: str) -> None:
+        if reason not in self._skipped:  # one log line per distinct reason
+            self._skipped.add(reason)
+            self.ctx.log.info(f"{self.what} left without prefetch", reason=reason)
+        if not self.ctx.record.calls:
+            self.ctx.record.reason = f"not prefetching: {reason}"
+
+    def on_fault(self, exc: BaseException) -> None:
+        self.ctx.log.warning("device copy failed; the rest of this pass runs without prefetch",
+                             error=f"{type(exc).__name__}: {exc}")
+        self.ctx.record.reason = f"a device copy failed ({type(exc).__name__}); that pass ran without prefetch"
+
+    def on_copied(self) -> None:
+        self.ctx.record.calls += 1
+

@@ -24,7 +24,7 @@ from typing import Any
 
 from loongkit_core.context import ActivationContext, NotApplicable
 from loongkit_core.kit import FeatureImpl
-from loongkit_data.prefetch import CudaLayer, DeviceLayer, Prefetcher, PrefetchingLoader, no_cuda_reason
+from loongkit_data.prefetch import CudaLayer, DeviceLayer, Prefetcher, PrefetchingLoader, PrefetchReport, no_cuda_reason
 
 LayerFor = Callable[[Any], "DeviceLayer | None"]
 
@@ -179,23 +179,8 @@ class DataPrefetch(FeatureImpl):
     def activate(self, ctx: ActivationContext, target: str | None) -> None:
         import mmcv.runner as runners
 
-        skipped: set[str] = set()
-
-        def on_skip(reason: str) -> None:
-            if reason not in skipped:
-                skipped.add(reason)
-                ctx.log.info("runner left without prefetch", reason=reason)
-            if not ctx.record.calls:
-                ctx.record.reason = f"not prefetching: {reason}"
-
-        def on_fault(exc: BaseException) -> None:
-            ctx.log.warning("device copy failed; the rest of this pass runs without prefetch",
-                            error=f"{type(exc).__name__}: {exc}")
-            ctx.record.reason = f"a device copy failed ({type(exc).__name__}); that pass ran without prefetch"
-
-        def on_copied() -> None:
-            ctx.record.calls += 1
-
-        patched = install(ctx.patcher, runners, CudaLayers(on_skip), on_copied=on_copied, on_fault=on_fault)
+        report = PrefetchReport(ctx, "runner")
+        patched = install(ctx.patcher, runners, CudaLayers(report.on_skip), on_copied=report.on_copied,
+                          on_fault=report.on_fault)
         ctx.set_config({"runners": patched})
         ctx.log.info("mmcv runners prefetch the next batch on a side CUDA stream", runners=patched)

@@ -27,7 +27,7 @@ from typing import Any
 
 from loongkit_core.context import ActivationContext, NotApplicable
 from loongkit_core.kit import FeatureImpl
-from loongkit_data.prefetch import CudaLayer, DeviceLayer, Prefetcher, PrefetchingLoader, no_cuda_reason
+from loongkit_data.prefetch import CudaLayer, DeviceLayer, Prefetcher, PrefetchingLoader, PrefetchReport, no_cuda_reason
 
 LayerFor = Callable[[Any], "DeviceLayer | None"]
 
@@ -137,23 +137,8 @@ class MmengineDataPrefetch(FeatureImpl):
     def activate(self, ctx: ActivationContext, target: str | None) -> None:
         import mmengine.runner.loops as loops
 
-        skipped: set[str] = set()
-
-        def on_skip(reason: str) -> None:
-            if reason not in skipped:
-                skipped.add(reason)
-                ctx.log.info("loop left without prefetch", reason=reason)
-            if not ctx.record.calls:
-                ctx.record.reason = f"not prefetching: {reason}"
-
-        def on_fault(exc: BaseException) -> None:
-            ctx.log.warning("device copy failed; the rest of this pass runs without prefetch",
-                            error=f"{type(exc).__name__}: {exc}")
-            ctx.record.reason = f"a device copy failed ({type(exc).__name__}); that pass ran without prefetch"
-
-        def on_copied() -> None:
-            ctx.record.calls += 1
-
-        patched = install(ctx.patcher, loops, CudaLayers(on_skip), on_copied=on_copied, on_fault=on_fault)
+        report = PrefetchReport(ctx, "loop")
+        patched = install(ctx.patcher, loops, CudaLayers(report.on_skip), on_copied=report.on_copied,
+                          on_fault=report.on_fault)
         ctx.set_config({"loops": patched})
         ctx.log.info("mmengine loops prefetch the next batch on a side CUDA stream", loops=patched)
