@@ -13,6 +13,7 @@ AOTAutograd trace them through their fake impls, without graph breaks.
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import Any
 
 import torch
@@ -25,35 +26,41 @@ _CPU_DTYPES = (torch.float32, torch.float64)
 _GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-@functools.lru_cache(maxsize=1)
-def _triton_msda() -> Any:
+@functools.cache
+def _triton(name: str) -> Any:
+    """The Triton module ``kernels.triton.<name>``, or None (no triton, or a broken install)."""
     from loongkit_ops.kernels.triton import available
 
     if not available():
         return None
     try:
-        from loongkit_ops.kernels.triton import msda
+        return importlib.import_module(f"loongkit_ops.kernels.triton.{name}")
     except Exception as exc:  # a broken triton install: keep the reference path
         kernels.build.log.warning("triton kernels unavailable", reason=f"{type(exc).__name__}: {exc}")
         return None
-    return msda
 
 
-def msda_backend(value: Tensor) -> tuple[str, str]:
-    """(backend, reason) for a value tensor: 'cpu', 'triton' or 'reference'."""
-    if value.device.type == "cpu":
-        if value.dtype not in _CPU_DTYPES:
-            return "reference", f"CPU kernel takes float32/float64, not {value.dtype}"
+def _backend(t: Tensor, kernel: str, cpu_dtypes: tuple[torch.dtype, ...] = _CPU_DTYPES,
+             triton: str | None = None) -> tuple[str, str]:
+    """(backend, reason) for an op's main tensor: 'cpu', 'triton' or 'reference' (with why)."""
+    if t.device.type == "cpu":
+        if t.dtype not in cpu_dtypes:
+            names = "/".join(str(d).removeprefix("torch.") for d in cpu_dtypes)
+            return "reference", f"CPU kernel takes {names}, not {t.dtype}"
         if kernels.load() is None:
             return "reference", f"CPU kernel unavailable: {kernels.failure()}"
         return "cpu", ""
-    if value.device.type == "cuda":
-        if value.dtype not in _GPU_DTYPES:
-            return "reference", f"Triton kernel does not take {value.dtype}"
-        if _triton_msda() is None:
+    if t.device.type == "cuda" and triton is not None:
+        if t.dtype not in _GPU_DTYPES:
+            return "reference", f"Triton kernel does not take {t.dtype}"
+        if _triton(triton) is None:
             return "reference", "triton is not installed"
         return "triton", ""
-    return "reference", f"no kernel for device {value.device.type}"
+    return "reference", f"no {kernel} kernel for device {t.device.type}"
+
+
+def msda_backend(value: Tensor) -> tuple[str, str]:
+    return _backend(value, "deformable attention", triton="msda")
 
 
 def _index_args(spatial_shapes: Tensor, level_start_index: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -76,7 +83,7 @@ def ms_deform_attn_op(value: Tensor, spatial_shapes: Tensor, level_start_index: 
     value, loc, attn = value.contiguous(), sampling_locations.contiguous(), attention_weights.contiguous()
     shapes, starts = _index_args(spatial_shapes, level_start_index, value.device)
     if backend == "triton":
-        return _triton_msda().forward(value, shapes, starts, loc, attn)
+        return _triton("msda").forward(value, shapes, starts, loc, attn)
     bs, _, heads, c = value.shape
     out = value.new_empty(bs, loc.shape[1], heads * c)
     kernels.load().msda_forward(value, shapes, starts, loc, attn, out)
@@ -107,7 +114,7 @@ def ms_deform_attn_backward_op(grad_output: Tensor, value: Tensor, spatial_shape
     grad_output = grad_output.contiguous()
     shapes, starts = _index_args(spatial_shapes, level_start_index, value.device)
     if backend == "triton":
-        return _triton_msda().backward(grad_output, value, shapes, starts, loc, attn)
+        return _triton("msda").backward(grad_output, value, shapes, starts, loc, attn)
     grad_value = torch.zeros_like(value)
     grad_loc = torch.empty_like(loc)
     grad_attn = torch.empty_like(attn)
@@ -148,14 +155,8 @@ ACTIVATIONS = {"none": 0, "sigmoid": 1, "softmax": 2}
 
 
 def dice_backend(logits: Tensor) -> tuple[str, str]:
-    """(backend, reason): 'cpu' or 'reference' (the GPU path is plain torch)."""
-    if logits.device.type != "cpu":
-        return "reference", f"no fused Dice kernel for device {logits.device.type}"
-    if logits.dtype not in _CPU_DTYPES:
-        return "reference", f"CPU kernel takes float32/float64, not {logits.dtype}"
-    if kernels.load() is None:
-        return "reference", f"CPU kernel unavailable: {kernels.failure()}"
-    return "cpu", ""
+    """'cpu' or 'reference' (on GPUs the plain torch statistics are used)."""
+    return _backend(logits, "fused Dice")
 
 
 @torch.library.custom_op("loongkit::dice_stats", mutates_args=())
@@ -263,35 +264,8 @@ dice_class_stats_op.register_autograd(_dice_class_backward, setup_context=_dice_
 # Deformable aggregation (Sparse4D / SparseDrive)
 
 
-@functools.lru_cache(maxsize=1)
-def _triton_daf() -> Any:
-    from loongkit_ops.kernels.triton import available
-
-    if not available():
-        return None
-    try:
-        from loongkit_ops.kernels.triton import daf
-    except Exception as exc:  # a broken triton install: keep the reference path
-        kernels.build.log.warning("triton kernels unavailable", reason=f"{type(exc).__name__}: {exc}")
-        return None
-    return daf
-
-
 def daf_backend(mc_ms_feat: Tensor) -> tuple[str, str]:
-    """(backend, reason) for a feature tensor: 'cpu', 'triton' or 'reference'."""
-    if mc_ms_feat.device.type == "cpu":
-        if mc_ms_feat.dtype not in _CPU_DTYPES:
-            return "reference", f"CPU kernel takes float32/float64, not {mc_ms_feat.dtype}"
-        if kernels.load() is None:
-            return "reference", f"CPU kernel unavailable: {kernels.failure()}"
-        return "cpu", ""
-    if mc_ms_feat.device.type == "cuda":
-        if mc_ms_feat.dtype not in _GPU_DTYPES:
-            return "reference", f"Triton kernel does not take {mc_ms_feat.dtype}"
-        if _triton_daf() is None:
-            return "reference", "triton is not installed"
-        return "triton", ""
-    return "reference", f"no kernel for device {mc_ms_feat.device.type}"
+    return _backend(mc_ms_feat, "deformable aggregation", triton="daf")
 
 
 def _daf_index_args(spatial_shape: Tensor, scale_start_index: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -310,7 +284,7 @@ def deformable_aggregation_op(mc_ms_feat: Tensor, spatial_shape: Tensor, scale_s
     feat, loc, w = mc_ms_feat.contiguous(), sampling_location.contiguous(), weights.contiguous()
     shapes, starts = _daf_index_args(spatial_shape, scale_start_index, feat.device)
     if backend == "triton":
-        return _triton_daf().forward(feat, shapes, starts, loc, w, inside_only)
+        return _triton("daf").forward(feat, shapes, starts, loc, w, inside_only)
     out = feat.new_empty(feat.shape[0], loc.shape[1], feat.shape[2])
     kernels.load().daf_forward(feat, shapes, starts, loc, w, inside_only, out)
     return out
@@ -338,7 +312,7 @@ def deformable_aggregation_backward_op(grad_output: Tensor, mc_ms_feat: Tensor, 
     grad_output = grad_output.contiguous()
     shapes, starts = _daf_index_args(spatial_shape, scale_start_index, feat.device)
     if backend == "triton":
-        return _triton_daf().backward(grad_output, feat, shapes, starts, loc, w, inside_only)
+        return _triton("daf").backward(grad_output, feat, shapes, starts, loc, w, inside_only)
     grad_feat = torch.zeros_like(feat)
     grad_loc = torch.empty_like(loc)
     grad_w = torch.empty_like(w)
@@ -382,14 +356,8 @@ def deformable_aggregation(mc_ms_feat: Tensor, spatial_shape: Tensor, scale_star
 
 
 def bev_pool_backend(feats: Tensor) -> tuple[str, str]:
-    """(backend, reason): 'cpu' or 'reference' (on GPUs index_add is already a fused scatter)."""
-    if feats.device.type != "cpu":
-        return "reference", f"no bev_pool kernel for device {feats.device.type}"
-    if feats.dtype not in _CPU_DTYPES:
-        return "reference", f"CPU kernel takes float32/float64, not {feats.dtype}"
-    if kernels.load() is None:
-        return "reference", f"CPU kernel unavailable: {kernels.failure()}"
-    return "cpu", ""
+    """'cpu' or 'reference' (on GPUs index_add is already a fused scatter)."""
+    return _backend(feats, "bev_pool")
 
 
 @torch.library.custom_op("loongkit::bev_pool", mutates_args=())
@@ -447,14 +415,8 @@ _VOXEL_DTYPES = (torch.float16, torch.float32, torch.float64)
 
 
 def voxelize_backend(points: Tensor) -> tuple[str, str]:
-    """(backend, reason): 'cpu' or 'reference' (the sort-based torch implementation)."""
-    if points.device.type != "cpu":
-        return "reference", f"no voxelization kernel for device {points.device.type}"
-    if points.dtype not in _VOXEL_DTYPES:
-        return "reference", f"CPU kernel takes float16/float32/float64, not {points.dtype}"
-    if kernels.load() is None:
-        return "reference", f"CPU kernel unavailable: {kernels.failure()}"
-    return "cpu", ""
+    """'cpu' or 'reference' (the sort-based torch implementation)."""
+    return _backend(points, "voxelization", _VOXEL_DTYPES)
 
 
 @torch.library.custom_op("loongkit::hard_voxelize", mutates_args=())
