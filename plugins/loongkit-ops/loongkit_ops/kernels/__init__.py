@@ -30,7 +30,7 @@ EXTENSION = Extension(
     name="loongkit_ops_kernels",
     directory=Path(__file__).with_name("cpu"),
     sources=("bindings.cpp", "msda.cpp", "dice.cpp", "daf.cpp", "bev_pool.cpp", "voxelize.cpp"),
-    headers=("kernels.h",),
+    headers=("kernels.h", "bilinear.h"),
     cflags=("-O3", "-march=native", "-fno-math-errno", "-fopenmp"),
     ldflags=("-fopenmp",),
 )

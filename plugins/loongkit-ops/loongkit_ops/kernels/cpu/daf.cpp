@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "bilinear.h"
 #include "kernels.h"
 
 namespace loongkit {
@@ -34,42 +35,9 @@ struct DafDims {
     int64_t bs, NF, C, A, P, K, L, G;
 };
 
-template <typename T>
-struct Bilinear {
-    int64_t off[4];  // pixel index within the map, or -1 outside
-    T w[4];          // (top-left, top-right, bottom-left, bottom-right)
-    T lh, lw;
-    bool any;
-};
-
-template <typename T>
-inline Bilinear<T> bilinear(T x, T y, int64_t Hl, int64_t Wl) {
-    Bilinear<T> c;
-    const T w_im = x * static_cast<T>(Wl) - T(0.5);
-    const T h_im = y * static_cast<T>(Hl) - T(0.5);
-    // Outside (-2, S+1) no corner is valid; the negated test rejects NaN before the integer casts.
-    if (!(h_im > T(-2) && w_im > T(-2) && h_im < static_cast<T>(Hl + 1) && w_im < static_cast<T>(Wl + 1))) {
-        c.any = false;
-        return c;
-    }
-    const T hf = std::floor(h_im), wf = std::floor(w_im);
-    const int64_t h0 = static_cast<int64_t>(hf), w0 = static_cast<int64_t>(wf);
-    c.lh = h_im - hf;
-    c.lw = w_im - wf;
-    const T hh = T(1) - c.lh, hw = T(1) - c.lw;
-    const bool vh0 = h0 >= 0 && h0 < Hl, vh1 = h0 + 1 >= 0 && h0 + 1 < Hl;
-    const bool vw0 = w0 >= 0 && w0 < Wl, vw1 = w0 + 1 >= 0 && w0 + 1 < Wl;
-    c.off[0] = (vh0 && vw0) ? h0 * Wl + w0 : -1;
-    c.off[1] = (vh0 && vw1) ? h0 * Wl + w0 + 1 : -1;
-    c.off[2] = (vh1 && vw0) ? (h0 + 1) * Wl + w0 : -1;
-    c.off[3] = (vh1 && vw1) ? (h0 + 1) * Wl + w0 + 1 : -1;
-    c.w[0] = hh * hw;
-    c.w[1] = hh * c.lw;
-    c.w[2] = c.lh * hw;
-    c.w[3] = c.lh * c.lw;
-    c.any = c.off[0] >= 0 || c.off[1] >= 0 || c.off[2] >= 0 || c.off[3] >= 0;
-    return c;
-}
+using loongkit::Corners;
+using loongkit::corners;
+using loongkit::corners_backward;
 
 template <typename T>
 inline bool strictly_inside(T x, T y) {
@@ -116,7 +84,7 @@ void forward_impl(const DafDims& d, const T* __restrict feat, const int64_t* sha
             if (inside_only && !strictly_inside(x, y)) continue;
             for (int64_t l = 0; l < d.L; ++l) {
                 const int64_t kl = k * d.L + l;
-                const Bilinear<T> cs = bilinear<T>(x, y, shapes[2 * kl], shapes[2 * kl + 1]);
+                const Corners<T> cs = corners<T>(x, y, shapes[2 * kl], shapes[2 * kl + 1]);
                 if (!cs.any) continue;
                 const T* fm = fb + starts[kl] * C;
                 const T* v[4];
@@ -171,7 +139,7 @@ void backward_impl(const DafDims& d, const T* __restrict feat, const int64_t* sh
             for (int64_t l = 0; l < d.L; ++l, pe += 3) {
                 const int64_t kl = k * d.L + l;
                 const int64_t Hl = shapes[2 * kl], Wl = shapes[2 * kl + 1];
-                const Bilinear<T> cs = bilinear<T>(x, y, Hl, Wl);
+                const Corners<T> cs = corners<T>(x, y, Hl, Wl);
                 if (!cs.any) {
                     pe[0] = pe[1] = pe[2] = T(0);
                     continue;
@@ -183,31 +151,8 @@ void backward_impl(const DafDims& d, const T* __restrict feat, const int64_t* sh
                     vp[q] = cs.off[q] >= 0 ? fb + (starts[kl] + cs.off[q]) * C : zero.data();
                     gp[q] = cs.off[q] >= 0 ? gb + (starts[kl] + cs.off[q]) * C : dump.data();
                 }
-                const T* __restrict v0 = vp[0];
-                const T* __restrict v1 = vp[1];
-                const T* __restrict v2 = vp[2];
-                const T* __restrict v3 = vp[3];
-                T* g0 = gp[0];
-                T* g1 = gp[1];
-                T* g2 = gp[2];
-                T* g3 = gp[3];
-                const T hh = T(1) - cs.lh, hw = T(1) - cs.lw;
-                const T w0 = cs.w[0], w1 = cs.w[1], w2 = cs.w[2], w3 = cs.w[3];
-                const T aw0 = wg * w0, aw1 = wg * w1, aw2 = wg * w2, aw3 = wg * w3;
-                T sa = T(0), sw = T(0), sh = T(0);
-                // Valid corners are distinct pixels; only the discarded scratch row can repeat.
-#pragma omp simd reduction(+ : sa, sw, sh)
-                for (int64_t c = 0; c < cw; ++c) {
-                    const T gc = go[c];
-                    const T x0 = v0[c], x1 = v1[c], x2 = v2[c], x3 = v3[c];
-                    sa += gc * (w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3);
-                    sw += gc * (hh * (x1 - x0) + cs.lh * (x3 - x2));
-                    sh += gc * (hw * (x2 - x0) + cs.lw * (x3 - x1));
-                    g0[c] += aw0 * gc;
-                    g1[c] += aw1 * gc;
-                    g2[c] += aw2 * gc;
-                    g3[c] += aw3 * gc;
-                }
+                T sa, sw, sh;
+                corners_backward<T>(cs, vp, gp, go, cw, wg, sa, sw, sh);
                 pe[0] = sa;
                 pe[1] = wg * static_cast<T>(Wl) * sw;
                 pe[2] = wg * static_cast<T>(Hl) * sh;

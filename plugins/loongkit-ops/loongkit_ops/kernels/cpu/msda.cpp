@@ -28,6 +28,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "bilinear.h"
 #include "kernels.h"
 
 namespace loongkit {
@@ -37,44 +38,9 @@ struct Dims {
     int64_t bs, K, H, C, Lq, L, P;
 };
 
-// The four corners of a bilinear sample: offsets of valid corners (-1 if outside) and weights.
-template <typename T>
-struct Corners {
-    int64_t off[4];  // key index within the level, or -1
-    T w[4];          // bilinear weights (00, 01, 10, 11) = (top-left, top-right, bottom-left, bottom-right)
-    T lh, lw;        // fractional parts, for the location gradient
-    bool any;
-};
-
-template <typename T>
-inline Corners<T> corners(T x, T y, int64_t Hl, int64_t Wl) {
-    Corners<T> c;
-    const T w_im = x * static_cast<T>(Wl) - T(0.5);
-    const T h_im = y * static_cast<T>(Hl) - T(0.5);
-    // Outside (-2, S+1) no corner can be valid; the negated test also rejects NaN before the casts.
-    if (!(h_im > T(-2) && w_im > T(-2) && h_im < static_cast<T>(Hl + 1) && w_im < static_cast<T>(Wl + 1))) {
-        c.any = false;
-        return c;
-    }
-    const T hf = std::floor(h_im), wf = std::floor(w_im);
-    const int64_t h0 = static_cast<int64_t>(hf), w0 = static_cast<int64_t>(wf);
-    const int64_t h1 = h0 + 1, w1 = w0 + 1;
-    c.lh = h_im - hf;
-    c.lw = w_im - wf;
-    const T hh = T(1) - c.lh, hw = T(1) - c.lw;
-    const bool vh0 = h0 >= 0 && h0 < Hl, vh1 = h1 >= 0 && h1 < Hl;
-    const bool vw0 = w0 >= 0 && w0 < Wl, vw1 = w1 >= 0 && w1 < Wl;
-    c.off[0] = (vh0 && vw0) ? h0 * Wl + w0 : -1;
-    c.off[1] = (vh0 && vw1) ? h0 * Wl + w1 : -1;
-    c.off[2] = (vh1 && vw0) ? h1 * Wl + w0 : -1;
-    c.off[3] = (vh1 && vw1) ? h1 * Wl + w1 : -1;
-    c.w[0] = hh * hw;
-    c.w[1] = hh * c.lw;
-    c.w[2] = c.lh * hw;
-    c.w[3] = c.lh * c.lw;
-    c.any = c.off[0] >= 0 || c.off[1] >= 0 || c.off[2] >= 0 || c.off[3] >= 0;
-    return c;
-}
+using loongkit::Corners;
+using loongkit::corners;
+using loongkit::corners_backward;
 
 Dims check(const at::Tensor& value, const at::Tensor& shapes, const at::Tensor& starts, const at::Tensor& loc,
            const at::Tensor& attn) {
@@ -184,33 +150,8 @@ void backward_impl(const Dims& d, const T* __restrict value, const int64_t* shap
                         vp[k] = cs.off[k] >= 0 ? vl + cs.off[k] * rowstride : zero.data();
                         gp[k] = cs.off[k] >= 0 ? gvl + cs.off[k] * gstride : dump.data();
                     }
-                    const T* __restrict v0 = vp[0];
-                    const T* __restrict v1 = vp[1];
-                    const T* __restrict v2 = vp[2];
-                    const T* __restrict v3 = vp[3];
-                    T* g0 = gp[0];
-                    T* g1 = gp[1];
-                    T* g2 = gp[2];
-                    T* g3 = gp[3];
-                    const T hh = T(1) - cs.lh, hw = T(1) - cs.lw;
-                    const T w0 = cs.w[0], w1 = cs.w[1], w2 = cs.w[2], w3 = cs.w[3];
-                    const T aw0 = a * w0, aw1 = a * w1, aw2 = a * w2, aw3 = a * w3;
-                    // grad_out . sample, grad_out . d(sample)/dw_im, grad_out . d(sample)/dh_im
-                    T sa = T(0), sw = T(0), sh = T(0);
-                    // Only the scratch row can be shared between corners (valid corners are distinct
-                    // pixels), and what lands there is discarded: safe to vectorise.
-#pragma omp simd reduction(+ : sa, sw, sh)
-                    for (int64_t c = 0; c < C; ++c) {
-                        const T gc = g[c];
-                        const T x0 = v0[c], x1 = v1[c], x2 = v2[c], x3 = v3[c];
-                        sa += gc * (w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3);
-                        sw += gc * (hh * (x1 - x0) + cs.lh * (x3 - x2));
-                        sh += gc * (hw * (x2 - x0) + cs.lw * (x3 - x1));
-                        g0[c] += aw0 * gc;
-                        g1[c] += aw1 * gc;
-                        g2[c] += aw2 * gc;
-                        g3[c] += aw3 * gc;
-                    }
+                    T sa, sw, sh;
+                    corners_backward<T>(cs, vp, gp, g, C, a, sa, sw, sh);
                     ga[lp] = sa;
                     gl[2 * lp] = a * static_cast<T>(Wl) * sw;
                     gl[2 * lp + 1] = a * static_cast<T>(Hl) * sh;
