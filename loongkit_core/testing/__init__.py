@@ -7,6 +7,9 @@ Fixtures:
 * ``run_loongkit`` — run a Python snippet in a fresh interpreter with the prelude on PYTHONPATH and
   return its exit code, output, parsed JSON Summary and log files.
 * ``fake_sysfs`` — build a recorded hardware topology under a temp root (``LOONGKIT_SYSFS_ROOT``).
+* ``loongkit_runtime`` — boot an in-process :class:`~loongkit_core.runtime.Runtime` on an explicit
+  environment, activate chosen features on their target, and deactivate everything at teardown
+  (patches undone), for tests that call the patched code directly.
 """
 
 from __future__ import annotations
@@ -113,6 +116,34 @@ def fake_sysfs(tmp_path: Path) -> Callable[..., Any]:
         return topology.write_topology(tmp_path / f"sysfs{next(counter)}", **kwargs)
 
     return build
+
+
+@pytest.fixture
+def loongkit_runtime(loongkit_env: pytest.MonkeyPatch) -> Iterator[Callable[..., Any]]:
+    """``loongkit_runtime(environ, activate={feature: target})`` -> a booted Runtime (no exit hooks).
+
+    Features in ``activate`` are activated on their target when armed (a feature that is off, out of
+    range or not detected keeps its state, so a test can assert why); all are undone at teardown.
+    """
+    from loongkit_core.feature import State
+    from loongkit_core.runtime import Runtime
+
+    made: list[Runtime] = []
+
+    def make(environ: Mapping[str, str], activate: Mapping[str, str] | None = None) -> Runtime:
+        rt = Runtime(environ=dict(environ), arm=False)
+        rt.boot(configure_logging=False)
+        made.append(rt)
+        for name, target in (activate or {}).items():
+            record = rt.records[name]
+            if record.state == State.ARMED:
+                rt.activate(record, target)
+        return rt
+
+    yield make
+    for rt in made:
+        for name in list(rt.contexts):
+            rt.deactivate(name)
 
 
 def read_json(path: str | os.PathLike[str]) -> Any:

@@ -30,16 +30,11 @@ ENV = {"LOONGKIT_MMDET_MODULES": "1", "LOONGKIT_COMPILE_MMDET_MODULES_FILTER": "
 
 
 @pytest.fixture
-def runtime(loongkit_env: pytest.MonkeyPatch) -> Iterator[Runtime]:
+def runtime(loongkit_runtime: Callable[..., Runtime]) -> Iterator[Runtime]:
     import mmdet.models  # noqa: F401  (registers the losses before activation: the module_dict path)
 
     torch._dynamo.reset()
-    rt = Runtime(environ=dict(ENV), arm=False)
-    rt.boot(configure_logging=False)
-    rt.activate(rt.records[FEATURE], TARGET)
-    yield rt
-    for name in list(rt.contexts):
-        rt.deactivate(name)
+    yield loongkit_runtime(ENV, {FEATURE: TARGET})
     torch._dynamo.reset()
 
 

@@ -21,22 +21,10 @@ TARGET = "mmdet.models.backbones.resnet"
 
 
 @pytest.fixture
-def runtime(loongkit_env: pytest.MonkeyPatch) -> Iterator[Callable[..., Runtime]]:
+def runtime(loongkit_runtime: Callable[..., Runtime]) -> Iterator[Callable[..., Runtime]]:
     pytest.importorskip("mmdet")
-    made: list[Runtime] = []
-
-    def make(environ: dict[str, str]) -> Runtime:
-        rt = Runtime(environ=environ, arm=False)
-        rt.boot(configure_logging=False)
-        made.append(rt)
-        rt.activate(rt.records["compile_resnet"], TARGET)
-        return rt
-
     torch._dynamo.reset()
-    yield make
-    for rt in made:
-        for name in list(rt.contexts):
-            rt.deactivate(name)
+    yield lambda environ: loongkit_runtime(environ, {"compile_resnet": TARGET})
     torch._dynamo.reset()
 
 

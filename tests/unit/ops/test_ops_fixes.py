@@ -19,19 +19,8 @@ from loongkit_core.runtime import Runtime
 
 
 @pytest.fixture
-def runtime(loongkit_env: pytest.MonkeyPatch) -> Iterator[Callable[..., Runtime]]:
-    made: list[Runtime] = []
-
-    def make(environ: dict[str, str]) -> Runtime:
-        rt = Runtime(environ=environ, arm=False)
-        rt.boot(configure_logging=False)
-        made.append(rt)
-        return rt
-
-    yield make
-    for rt in made:
-        for name in list(rt.contexts):
-            rt.deactivate(name)
+def runtime(loongkit_runtime: Callable[..., Runtime]) -> Callable[..., Runtime]:
+    return loongkit_runtime
 
 
 def fake_torch(monkeypatch: pytest.MonkeyPatch, version: str) -> None:

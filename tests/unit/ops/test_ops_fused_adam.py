@@ -10,7 +10,7 @@ difference seen is 1.2e-7 on parameters of magnitude ~0.1-1. We assert atol=1e-6
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -24,24 +24,13 @@ ATOL, RTOL = 1e-6, 1e-5
 
 
 @pytest.fixture
-def runtime(loongkit_env: pytest.MonkeyPatch) -> Iterator[Callable[..., Runtime]]:
+def runtime(loongkit_runtime: Callable[..., Runtime]) -> Callable[..., Runtime]:
     """Boot a Runtime on an explicit environment, activate the named features on torch.optim."""
-    made: list[Runtime] = []
 
     def make(environ: dict[str, str], activate: tuple[str, ...] = ("fused_adamw", "fused_adam")) -> Runtime:
-        rt = Runtime(environ=environ, arm=False)
-        rt.boot(configure_logging=False)
-        made.append(rt)
-        for name in activate:
-            record = rt.records[name]
-            if record.state == State.ARMED:
-                rt.activate(record, "torch.optim")
-        return rt
+        return loongkit_runtime(environ, dict.fromkeys(activate, "torch.optim"))
 
-    yield make
-    for rt in made:
-        for name in list(rt.contexts):
-            rt.deactivate(name)
+    return make
 
 
 BOTH = {"LOONGKIT_FUSED_ADAMW": "1", "LOONGKIT_FUSED_ADAM": "1"}

@@ -21,20 +21,9 @@ from loongkit_core.runtime import Runtime
 
 
 @pytest.fixture
-def runtime(loongkit_env: pytest.MonkeyPatch) -> Iterator[Callable[..., Runtime]]:
-    made: list[Runtime] = []
-
-    def make(environ: dict[str, str]) -> Runtime:
-        rt = Runtime(environ=environ, arm=False)
-        rt.boot(configure_logging=False)
-        made.append(rt)
-        return rt
-
-    torch._dynamo.reset()
-    yield make
-    for rt in made:
-        for name in list(rt.contexts):
-            rt.deactivate(name)
+def runtime(loongkit_runtime: Callable[..., Runtime]) -> Iterator[Callable[..., Runtime]]:
+    torch._dynamo.reset()  # compiled code of one test must not serve the next
+    yield loongkit_runtime
     torch._dynamo.reset()
 
 
