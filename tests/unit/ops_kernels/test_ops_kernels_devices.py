@@ -1,0 +1,141 @@
+"""Every loongkit-ops custom op on every device here, against the fp64 reference.
+
+On this CPU machine the device list is ``cpu`` (the C++ kernels); where CUDA exists it adds
+``cuda``, where each op must pick its Triton kernel (when triton is installed) and match the
+reference in fp32, fp16 and bf16, forward and backward. The same test body serves both, so the
+GPU checks are exercised here on CPU and cannot rot unseen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from loongkit_ops.kernels import ops, reference
+from loongkit_ops.kernels.triton import available as triton_available
+
+SEED = int(torch.seed() % 2**31)
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# (rtol, atol) against the fp64 reference, by dtype; sums over a few hundred terms at most.
+TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 2e-2), torch.bfloat16: (8e-2, 8e-2)}
+
+
+def cases() -> list[Any]:
+    out = [pytest.param(d, t, id=f"{d}-{str(t).removeprefix('torch.')}")
+           for d in DEVICES for t in ((torch.float32,) if d == "cpu" else (torch.float32, torch.float16,
+                                                                           torch.bfloat16))]
+    return out
+
+
+def expected_backend(device: str) -> str:
+    if device == "cpu":
+        return "cpu"
+    return "triton" if triton_available() else "reference"
+
+
+def check(fn: Callable[..., torch.Tensor], ref: Callable[..., torch.Tensor], inputs: list[torch.Tensor],
+          device: str, dtype: torch.dtype, gen: torch.Generator) -> None:
+    """fn on (device, dtype) vs ref in fp64 on CPU: output and the gradients of every float input."""
+    ours = [t.to(device=device, dtype=dtype, copy=True).requires_grad_() for t in inputs]
+    theirs = [t.double().requires_grad_() for t in inputs]
+    out, expected = fn(*ours), ref(*theirs)
+    grad = torch.randn(expected.shape, generator=gen, dtype=torch.float64)
+    out.backward(grad.to(device=device, dtype=dtype))
+    expected.backward(grad)
+    rtol, atol = TOL[dtype]
+    scale = float(expected.abs().max()) or 1.0
+    msg = f"seed {SEED}, {device}, {dtype}"
+    torch.testing.assert_close(out.detach().cpu().double(), expected.detach(), rtol=rtol, atol=atol * scale,
+                               msg=lambda m: f"{msg}: output: {m}")
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        gscale = float(b.grad.abs().max()) or 1.0
+        torch.testing.assert_close(a.grad.cpu().double(), b.grad, rtol=rtol, atol=atol * gscale,
+                                   msg=lambda m, i=i: f"{msg}: grad of input {i}: {m}")
+
+
+@pytest.mark.parametrize(("device", "dtype"), cases())
+def test_ms_deform_attn(device: str, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    shapes = torch.tensor([[6, 7], [3, 4]])
+    starts = torch.tensor([0, 42])
+    value = torch.randn(2, 54, 2, 8, generator=gen)
+    loc = torch.rand(2, 5, 2, 2, 3, 2, generator=gen) * 1.2 - 0.1  # some samples off the map
+    attn = torch.rand(2, 5, 2, 2, 3, generator=gen)
+    assert ops.msda_backend(value.to(device=device, dtype=dtype))[0] == expected_backend(device)
+
+    def ours(v: torch.Tensor, lc: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        return ops.ms_deform_attn_op(v, shapes.to(device), starts.to(device), lc, a)
+
+    def ref(v: torch.Tensor, lc: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        return reference.ms_deform_attn(v, shapes, starts, lc, a)
+
+    check(ours, ref, [value, loc, attn], device, dtype, gen)
+
+
+@pytest.mark.parametrize(("device", "dtype"), cases())
+def test_deformable_aggregation(device: str, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    shapes = torch.tensor([[[6, 8], [3, 4]], [[6, 8], [3, 4]]])  # 2 cameras x 2 levels
+    starts = torch.tensor([[0, 48], [60, 108]])
+    feat = torch.randn(1, 120, 16, generator=gen)
+    loc = torch.rand(1, 7, 3, 2, 2, generator=gen) * 1.2 - 0.1  # [bs, anchors, pts, cams, 2]
+    w = torch.rand(1, 7, 3, 2, 2, 4, generator=gen)  # 4 groups
+    assert ops.daf_backend(feat.to(device=device, dtype=dtype))[0] == expected_backend(device)
+
+    def ours(f: torch.Tensor, lc: torch.Tensor, ww: torch.Tensor) -> torch.Tensor:
+        return ops.deformable_aggregation_op(f, shapes.to(device), starts.to(device), lc, ww, True)
+
+    def ref(f: torch.Tensor, lc: torch.Tensor, ww: torch.Tensor) -> torch.Tensor:
+        return reference.deformable_aggregation(f, shapes, starts, lc, ww, True)
+
+    check(ours, ref, [feat, loc, w], device, dtype, gen)
+
+
+@pytest.mark.parametrize(("device", "dtype"), cases())
+def test_bev_pool(device: str, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    B, Z, X, Y, n = 2, 2, 9, 7, 400
+    feats = torch.randn(n, 5, generator=gen)
+    coords = torch.stack([torch.randint(-1, X + 1, (n,), generator=gen), torch.randint(-1, Y + 1, (n,), generator=gen),
+                          torch.randint(0, Z, (n,), generator=gen), torch.randint(0, B, (n,), generator=gen)], 1)
+    assert ops.bev_pool_backend(feats.to(device=device, dtype=dtype))[0] in (expected_backend(device), "reference")
+    check(lambda f: ops.bev_pool_op(f, coords.to(device), B, Z, X, Y),
+          lambda f: reference.bev_pool(f, coords, B, Z, X, Y), [feats], device, dtype, gen)
+
+
+@pytest.mark.parametrize(("device", "dtype"), cases())
+@pytest.mark.parametrize("activation", [0, 1, 2])
+def test_dice_stats(device: str, dtype: torch.dtype, activation: int) -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    logits = torch.randn(2, 5, 300, generator=gen)
+    target = torch.randint(-1, 7, (2, 300), generator=gen)
+    target[:, :4] = 255
+    check(lambda x: ops.dice_stats_op(x, target.to(device), activation, 1, False),
+          lambda x: reference.dice_stats(x, target, activation, 1, False), [logits], device, dtype, gen)
+
+
+@pytest.mark.parametrize(("device", "dtype"), cases())
+def test_dice_class_stats(device: str, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    logits = torch.randn(2, 5, 300, generator=gen)
+    target = torch.randint(0, 5, (2, 300), generator=gen)
+    target[:, :4] = 255
+    check(lambda x: ops.dice_class_stats_op(x, target.to(device), 255, 2.0),
+          lambda x: reference.dice_class_stats(x, target, 255, 2.0), [logits], device, dtype, gen)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_voxelize_exact(device: str, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    points = torch.rand(3000, 4, generator=gen, dtype=dtype) * torch.tensor([12.0, 12.0, 4.0, 1.0], dtype=dtype) - 1
+    points[1000:1300, :3] = points[:300, :3]  # repeated positions share voxels
+    size, rng = [0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 10.0, 10.0, 3.0]
+    got = ops.hard_voxelize_op(points.to(device), size, rng, 5, 300)
+    want = reference.hard_voxelize(points, size, rng, 5, 300)
+    for a, b, name in zip(got, want, ("voxels", "coors", "num_points"), strict=True):
+        assert torch.equal(a.cpu(), b), f"seed {SEED}, {device}: {name} differs"
+    dyn = ops.dynamic_voxelize_op(points.to(device), size, rng)
+    assert torch.equal(dyn.cpu(), reference.dynamic_voxelize(points, size, rng)), f"seed {SEED}: dynamic differs"
