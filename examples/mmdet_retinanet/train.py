@@ -22,7 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: the shared data generator
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: the shared data generator and model
+from retinanet import retinanet
 from synthetic_coco import CLASSES, make_dataset
 
 
@@ -35,30 +36,11 @@ def build_config(data_root: Path, ann_file: Path, args: argparse.Namespace) -> d
         dict(type="RandomFlip", prob=0.5),
         dict(type="PackDetInputs"),
     ]
-    channels = 128  # narrower than the paper's 256: a CPU-sized head
-    model = dict(
-        type="RetinaNet",
+    model = retinanet(
+        args.depth, len(CLASSES),
         data_preprocessor=dict(type="DetDataPreprocessor", mean=[123.675, 116.28, 103.53],
                                std=[58.395, 57.12, 57.375], bgr_to_rgb=True, pad_size_divisor=32),
-        backbone=dict(type="ResNet", depth=args.depth, num_stages=4, out_indices=(0, 1, 2, 3), frozen_stages=-1,
-                      norm_cfg=dict(type="BN", requires_grad=True), norm_eval=False, style="pytorch",
-                      init_cfg=None),
-        neck=dict(type="FPN", in_channels=[64, 128, 256, 512] if args.depth < 50 else [256, 512, 1024, 2048],
-                  out_channels=channels, start_level=1, add_extra_convs="on_input", num_outs=5),
-        bbox_head=dict(
-            type="RetinaHead", num_classes=len(CLASSES), in_channels=channels, stacked_convs=2,
-            feat_channels=channels,
-            anchor_generator=dict(type="AnchorGenerator", octave_base_scale=4, scales_per_octave=3,
-                                  ratios=[0.5, 1.0, 2.0], strides=[8, 16, 32, 64, 128]),
-            bbox_coder=dict(type="DeltaXYWHBBoxCoder", target_means=[0.0] * 4, target_stds=[1.0] * 4),
-            loss_cls=dict(type="FocalLoss", use_sigmoid=True, gamma=2.0, alpha=0.25, loss_weight=1.0),
-            loss_bbox=dict(type="L1Loss", loss_weight=1.0)),
-        train_cfg=dict(assigner=dict(type="MaxIoUAssigner", pos_iou_thr=0.5, neg_iou_thr=0.4, min_pos_iou=0,
-                                     ignore_iof_thr=-1),
-                       sampler=dict(type="PseudoSampler"), allowed_border=-1, pos_weight=-1, debug=False),
-        test_cfg=dict(nms_pre=1000, min_bbox_size=0, score_thr=0.05, nms=dict(type="nms", iou_threshold=0.5),
-                      max_per_img=100),
-    )
+        train_cfg=dict(sampler=dict(type="PseudoSampler")))
     return dict(
         default_scope="mmdet",
         model=model,
