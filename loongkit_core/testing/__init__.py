@@ -146,6 +146,16 @@ def loongkit_runtime(loongkit_env: pytest.MonkeyPatch) -> Iterator[Callable[...,
             rt.deactivate(name)
 
 
+def free_port() -> int:
+    """A TCP port free on localhost now (for ``torchrun --master-port``): fixed ports collide between
+    tests, concurrent runs on one machine and sockets still in TIME_WAIT."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def read_json(path: str | os.PathLike[str]) -> Any:
     with open(path) as fh:
         return json.load(fh)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from loongkit_core.testing import clean_environ
+from loongkit_core.testing import clean_environ, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 LOONGKIT = shutil.which("loongkit") or str(Path(sys.executable).parent / "loongkit")
@@ -36,8 +36,8 @@ def active(data: dict, name: str) -> bool:
 @pytest.mark.slow
 def test_ddp_classifier_torchrun_two_ranks(tmp_path: Path) -> None:
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
-    command = [torchrun, "--nproc-per-node", "2", "--master-port", "29561", str(ROOT / "examples/train_classifier.py"),
-               "--steps", "5", "--batch-size", "8", "--workers", "1"]
+    command = [torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()),
+               str(ROOT / "examples/train_classifier.py"), "--steps", "5", "--batch-size", "8", "--workers", "1"]
     stdout, data = compare(tmp_path, command, 5)
     # rank 0 logs: 5 losses per run, each rank's loss over its own half of the global batch
     assert len(data["baseline"]["losses"]) == 5 and len(data["loongkit"]["losses"]) == 5

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loongkit_core.testing import install_fake_plugin
+from loongkit_core.testing import free_port, install_fake_plugin
 
 pytest.importorskip("torch")
 
@@ -103,7 +103,7 @@ def test_torchrun_two_ranks(tmp_path: Path, run_loongkit) -> None:  # type: igno
     script = tmp_path / "ddp.py"
     script.write_text(TRAIN_DDP)
     env = {"LOONGKIT_ALLOW_TF32": "1", "OMP_NUM_THREADS": "1"}
-    r = run_loongkit(env=env, argv=[torchrun, "--nproc-per-node", "2", "--master-port", "29533", str(script)],
+    r = run_loongkit(env=env, argv=[torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), str(script)],
                      cwd=str(tmp_path), timeout=240)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("done") == 2

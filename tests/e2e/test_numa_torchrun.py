@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from loongkit_core.hardware import parse_cpulist
-from loongkit_core.testing import clean_environ
+from loongkit_core.testing import clean_environ, free_port
 from loongkit_core.testing.topology import two_cpu_two_node
 
 pytest.importorskip("torch")
@@ -58,7 +58,7 @@ def test_ranks_and_workers_follow_the_plan(tmp_path: Path, run_loongkit) -> None
     script.write_text(SCRIPT)
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
     r = run_loongkit(env={"LOONGKIT_NUMA_AFFINITY": "1", "LOONGKIT_SYSFS_ROOT": str(root), "OMP_NUM_THREADS": "1"},
-                     argv=[torchrun, "--nproc-per-node", "2", "--master-port", "29551", str(script)],
+                     argv=[torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), str(script)],
                      cwd=str(tmp_path), timeout=300)
     assert r.returncode == 0, r.stderr
     results = [json.loads(line.split(" ", 1)[1]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from loongkit_core.testing import free_port
+
 pytest.importorskip("torch")
 
 WORKERS = '''
@@ -82,7 +84,8 @@ def test_torchrun_level1_results_match(tmp_path: Path, run_loongkit) -> None:  #
     script = tmp_path / "ddp.py"
     script.write_text(DDP)
     results = {}
-    for label, env, prelude, port in (("bare", {}, False, "29541"), ("ours", {"LOONGKIT_ALL": "1"}, True, "29542")):
+    for label, env, prelude in (("bare", {}, False), ("ours", {"LOONGKIT_ALL": "1"}, True)):
+        port = str(free_port())
         out = tmp_path / f"{label}.pt"
         r = run_loongkit(env={**env, "OUT": str(out), "OMP_NUM_THREADS": "1"}, prelude=prelude,
                          argv=[torchrun, "--nproc-per-node", "2", "--master-port", port, str(script)],

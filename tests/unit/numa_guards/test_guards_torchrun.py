@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 from loongkit_numa.fake_cgroups import write_cgroup_tree
 
+from loongkit_core.testing import free_port
+
 pytest.importorskip("torch")
 
 SCRIPT = """
@@ -41,7 +43,7 @@ def _torchrun(tmp_path: Path, run_loongkit: Any, port: int, **extra: str) -> Any
 
 @pytest.mark.slow
 def test_two_ranks_eight_workers_warn_once_per_node(tmp_path: Path, run_loongkit: Any) -> None:
-    r = _torchrun(tmp_path, run_loongkit, 29541)
+    r = _torchrun(tmp_path, run_loongkit, free_port())
     assert r.returncode == 0, r.stderr
     assert sorted(line for line in r.stdout.splitlines() if line.startswith("rank")) == [
         "rank 0 num_workers=8", "rank 1 num_workers=8"]
@@ -55,7 +57,7 @@ def test_two_ranks_eight_workers_warn_once_per_node(tmp_path: Path, run_loongkit
 
 @pytest.mark.slow
 def test_two_ranks_apply_fix_clamps_workers(tmp_path: Path, run_loongkit: Any) -> None:
-    r = _torchrun(tmp_path, run_loongkit, 29542, LOONGKIT_CONFIG_GUARDS_APPLY_FIX="1")
+    r = _torchrun(tmp_path, run_loongkit, free_port(), LOONGKIT_CONFIG_GUARDS_APPLY_FIX="1")
     assert r.returncode == 0, r.stderr
     assert sorted(line for line in r.stdout.splitlines() if line.startswith("rank")) == [
         "rank 0 num_workers=1", "rank 1 num_workers=1"]

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from loongkit_numa.cgroup_tree import Hierarchy, locate
 
+from loongkit_core.testing import free_port
 from loongkit_core.testing.topology import two_cpu_two_node, write_topology
 
 pytest.importorskip("torch")
@@ -137,7 +138,7 @@ def test_torchrun_two_ranks_each_in_its_node_group(tmp_path: Path, run_loongkit:
     before = ours(cpuset_v1)
     out = tmp_path / "out.json"
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
-    argv = [torchrun, "--nproc-per-node", "2", "--master-port", "29561", "--rdzv-id", "lkjob", str(script),
+    argv = [torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), "--rdzv-id", "lkjob", str(script),
             cpuset_v1.own_dir, str(out)]
     r = run_loongkit(argv=argv, cwd=str(tmp_path), timeout=300, env={
         "LOONGKIT_SUBCGROUPS": "1", "LOONGKIT_SYSFS_ROOT": str(sysroot), "LOONGKIT_SUBCGROUPS_CGROUP_ROOT": "/"})
