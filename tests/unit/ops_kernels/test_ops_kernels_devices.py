@@ -45,7 +45,7 @@ def check(fn: Callable[..., torch.Tensor], ref: Callable[..., torch.Tensor], inp
     out.backward(grad.to(device=device, dtype=dtype))
     expected.backward(grad)
     rtol, atol = TOL[dtype]
-    scale = float(expected.abs().max()) or 1.0
+    scale = float(expected.detach().abs().max()) or 1.0
     msg = f"seed {SEED}, {device}, {dtype}"
     torch.testing.assert_close(out.detach().cpu().double(), expected.detach(), rtol=rtol, atol=atol * scale,
                                msg=lambda m: f"{msg}: output: {m}")
