@@ -14,26 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from loongkit_ops.kernels.triton.msda import _corner
-
-
-@triton.jit
-def _sample_setup(loc, s, shapes, starts, kl, INSIDE: tl.constexpr, ACC: tl.constexpr):
-    x = tl.load(loc + 2 * s).to(ACC)
-    y = tl.load(loc + 2 * s + 1).to(ACC)
-    Hl = tl.load(shapes + 2 * kl)
-    Wl = tl.load(shapes + 2 * kl + 1)
-    st = tl.load(starts + kl)
-    w_im = x * Wl.to(ACC) - 0.5
-    h_im = y * Hl.to(ACC) - 0.5
-    inr = (h_im > -2.0) & (w_im > -2.0) & (h_im < (Hl + 1).to(ACC)) & (w_im < (Wl + 1).to(ACC))
-    if INSIDE:
-        inr = inr & (x > 0.0) & (x < 1.0) & (y > 0.0) & (y < 1.0)
-    h_im = tl.where(inr, h_im, 0.0)
-    w_im = tl.where(inr, w_im, 0.0)
-    h0f = tl.floor(h_im)
-    w0f = tl.floor(w_im)
-    return inr, Hl, Wl, st, h_im - h0f, w_im - w0f, h0f.to(tl.int64), w0f.to(tl.int64)
+from loongkit_ops.kernels.triton.bilinear import corner, sample_setup
 
 
 @triton.jit
@@ -51,11 +32,11 @@ def _daf_fwd(feat, shapes, starts, loc, wts, out, NF, A, PK, K, C, GD,
         k = pk % K
         for lv in tl.static_range(L):
             kl = k * L + lv
-            inr, Hl, Wl, st, lh, lw, h0, w0 = _sample_setup(loc, s, shapes, starts, kl, INSIDE, ACC)
-            v00, _, _ = _corner(fbase, st, h0, w0, Hl, Wl, inr, cs, C, C, ACC)
-            v01, _, _ = _corner(fbase, st, h0, w0 + 1, Hl, Wl, inr, cs, C, C, ACC)
-            v10, _, _ = _corner(fbase, st, h0 + 1, w0, Hl, Wl, inr, cs, C, C, ACC)
-            v11, _, _ = _corner(fbase, st, h0 + 1, w0 + 1, Hl, Wl, inr, cs, C, C, ACC)
+            inr, Hl, Wl, st, lh, lw, h0, w0 = sample_setup(loc, s, shapes, starts, kl, INSIDE, ACC)
+            v00, _, _ = corner(fbase, st, h0, w0, Hl, Wl, inr, cs, C, C, ACC)
+            v01, _, _ = corner(fbase, st, h0, w0 + 1, Hl, Wl, inr, cs, C, C, ACC)
+            v10, _, _ = corner(fbase, st, h0 + 1, w0, Hl, Wl, inr, cs, C, C, ACC)
+            v11, _, _ = corner(fbase, st, h0 + 1, w0 + 1, Hl, Wl, inr, cs, C, C, ACC)
             wv = tl.load(wts + (s * L + lv) * G + grp, mask=cmask, other=0.0).to(ACC)
             sample = (1 - lh) * ((1 - lw) * v00 + lw * v01) + lh * ((1 - lw) * v10 + lw * v11)
             acc += wv * sample
@@ -81,13 +62,13 @@ def _daf_bwd(feat, shapes, starts, loc, wts, gout, gfeat, gloc, gw, NF, A, PK, K
         dy = zero
         for lv in tl.static_range(L):
             kl = k * L + lv
-            inr, Hl, Wl, st, lh, lw, h0, w0 = _sample_setup(loc, s, shapes, starts, kl, INSIDE, ACC)
+            inr, Hl, Wl, st, lh, lw, h0, w0 = sample_setup(loc, s, shapes, starts, kl, INSIDE, ACC)
             hh = 1 - lh
             hw = 1 - lw
-            v00, m00, o00 = _corner(fbase, st, h0, w0, Hl, Wl, inr, cs, C, C, ACC)
-            v01, m01, o01 = _corner(fbase, st, h0, w0 + 1, Hl, Wl, inr, cs, C, C, ACC)
-            v10, m10, o10 = _corner(fbase, st, h0 + 1, w0, Hl, Wl, inr, cs, C, C, ACC)
-            v11, m11, o11 = _corner(fbase, st, h0 + 1, w0 + 1, Hl, Wl, inr, cs, C, C, ACC)
+            v00, m00, o00 = corner(fbase, st, h0, w0, Hl, Wl, inr, cs, C, C, ACC)
+            v01, m01, o01 = corner(fbase, st, h0, w0 + 1, Hl, Wl, inr, cs, C, C, ACC)
+            v10, m10, o10 = corner(fbase, st, h0 + 1, w0, Hl, Wl, inr, cs, C, C, ACC)
+            v11, m11, o11 = corner(fbase, st, h0 + 1, w0 + 1, Hl, Wl, inr, cs, C, C, ACC)
             wv = tl.load(wts + (s * L + lv) * G + grp, mask=cmask, other=0.0).to(ACC)
             gwv = g * wv
             sample = hh * (hw * v00 + lw * v01) + lh * (hw * v10 + lw * v11)

@@ -14,17 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-
-@triton.jit
-def _corner(vbase, st, hh, ww, Hl, Wl, inr, cs, C, rowstride, ACC: tl.constexpr):
-    valid = inr & (hh >= 0) & (hh < Hl) & (ww >= 0) & (ww < Wl)
-    off = (st + hh * Wl + ww) * rowstride
-    off = tl.where(valid, off, 0)  # never form an out-of-range address, even masked
-    # The lane mask of a corner: all C channels when valid, none when not (an integer bound rather
-    # than `block & scalar`, which the interpreter cannot broadcast).
-    mask = cs < tl.where(valid, C, 0)
-    v = tl.load(vbase + off + cs, mask=mask, other=0.0).to(ACC)
-    return v, mask, off
+from loongkit_ops.kernels.triton.bilinear import corner, sample_setup
 
 
 @triton.jit
@@ -39,29 +29,14 @@ def _msda_fwd(value, shapes, starts, loc, attn, out, K, Lq, H, C,
     vbase = value + b * K * rowstride + h * C
     acc = tl.zeros([BLOCK_C], dtype=ACC)
     for lv in tl.static_range(L):
-        Hl = tl.load(shapes + 2 * lv)
-        Wl = tl.load(shapes + 2 * lv + 1)
-        st = tl.load(starts + lv)
         for p in tl.static_range(P):
             j = i * L * P + lv * P + p
-            x = tl.load(loc + 2 * j).to(ACC)
-            y = tl.load(loc + 2 * j + 1).to(ACC)
             a = tl.load(attn + j).to(ACC)
-            w_im = x * Wl.to(ACC) - 0.5
-            h_im = y * Hl.to(ACC) - 0.5
-            inr = (h_im > -2.0) & (w_im > -2.0) & (h_im < (Hl + 1).to(ACC)) & (w_im < (Wl + 1).to(ACC))
-            h_im = tl.where(inr, h_im, 0.0)
-            w_im = tl.where(inr, w_im, 0.0)
-            h0f = tl.floor(h_im)
-            w0f = tl.floor(w_im)
-            lh = h_im - h0f
-            lw = w_im - w0f
-            h0 = h0f.to(tl.int64)
-            w0 = w0f.to(tl.int64)
-            v00, _, _ = _corner(vbase, st, h0, w0, Hl, Wl, inr, cs, C, rowstride, ACC)
-            v01, _, _ = _corner(vbase, st, h0, w0 + 1, Hl, Wl, inr, cs, C, rowstride, ACC)
-            v10, _, _ = _corner(vbase, st, h0 + 1, w0, Hl, Wl, inr, cs, C, rowstride, ACC)
-            v11, _, _ = _corner(vbase, st, h0 + 1, w0 + 1, Hl, Wl, inr, cs, C, rowstride, ACC)
+            inr, Hl, Wl, st, lh, lw, h0, w0 = sample_setup(loc, j, shapes, starts, lv, False, ACC)
+            v00, _, _ = corner(vbase, st, h0, w0, Hl, Wl, inr, cs, C, rowstride, ACC)
+            v01, _, _ = corner(vbase, st, h0, w0 + 1, Hl, Wl, inr, cs, C, rowstride, ACC)
+            v10, _, _ = corner(vbase, st, h0 + 1, w0, Hl, Wl, inr, cs, C, rowstride, ACC)
+            v11, _, _ = corner(vbase, st, h0 + 1, w0 + 1, Hl, Wl, inr, cs, C, rowstride, ACC)
             sample = (1 - lh) * ((1 - lw) * v00 + lw * v01) + lh * ((1 - lw) * v10 + lw * v11)
             acc += a * sample
     tl.store(out + i * C + cs, acc.to(out.dtype.element_ty), mask=cmask)
@@ -80,31 +55,16 @@ def _msda_bwd(value, shapes, starts, loc, attn, gout, gvalue, gloc, gattn, K, Lq
     gbase = gvalue + b * K * rowstride + h * C
     g = tl.load(gout + i * C + cs, mask=cmask, other=0.0).to(ACC)
     for lv in tl.static_range(L):
-        Hl = tl.load(shapes + 2 * lv)
-        Wl = tl.load(shapes + 2 * lv + 1)
-        st = tl.load(starts + lv)
         for p in tl.static_range(P):
             j = i * L * P + lv * P + p
-            x = tl.load(loc + 2 * j).to(ACC)
-            y = tl.load(loc + 2 * j + 1).to(ACC)
             a = tl.load(attn + j).to(ACC)
-            w_im = x * Wl.to(ACC) - 0.5
-            h_im = y * Hl.to(ACC) - 0.5
-            inr = (h_im > -2.0) & (w_im > -2.0) & (h_im < (Hl + 1).to(ACC)) & (w_im < (Wl + 1).to(ACC))
-            h_im = tl.where(inr, h_im, 0.0)
-            w_im = tl.where(inr, w_im, 0.0)
-            h0f = tl.floor(h_im)
-            w0f = tl.floor(w_im)
-            lh = h_im - h0f
-            lw = w_im - w0f
+            inr, Hl, Wl, st, lh, lw, h0, w0 = sample_setup(loc, j, shapes, starts, lv, False, ACC)
             hh = 1 - lh
             hw = 1 - lw
-            h0 = h0f.to(tl.int64)
-            w0 = w0f.to(tl.int64)
-            v00, m00, o00 = _corner(vbase, st, h0, w0, Hl, Wl, inr, cs, C, rowstride, ACC)
-            v01, m01, o01 = _corner(vbase, st, h0, w0 + 1, Hl, Wl, inr, cs, C, rowstride, ACC)
-            v10, m10, o10 = _corner(vbase, st, h0 + 1, w0, Hl, Wl, inr, cs, C, rowstride, ACC)
-            v11, m11, o11 = _corner(vbase, st, h0 + 1, w0 + 1, Hl, Wl, inr, cs, C, rowstride, ACC)
+            v00, m00, o00 = corner(vbase, st, h0, w0, Hl, Wl, inr, cs, C, rowstride, ACC)
+            v01, m01, o01 = corner(vbase, st, h0, w0 + 1, Hl, Wl, inr, cs, C, rowstride, ACC)
+            v10, m10, o10 = corner(vbase, st, h0 + 1, w0, Hl, Wl, inr, cs, C, rowstride, ACC)
+            v11, m11, o11 = corner(vbase, st, h0 + 1, w0 + 1, Hl, Wl, inr, cs, C, rowstride, ACC)
             d00 = tl.sum(g * v00, axis=0)
             d01 = tl.sum(g * v01, axis=0)
             d10 = tl.sum(g * v10, axis=0)
