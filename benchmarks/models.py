@@ -5,6 +5,12 @@
   SCA over 6 cameras (one 15x25 level, 4 Z anchors x 2 points = MSDeformableAttention3D's 8 points),
   each camera seeing a 70-degree sector. Full mode adds the base camera levels (116x200 .. 15x25).
 - ``uniad_collision_loss``: UniAD's CollisionLoss on 6 future steps x ~40 GT boxes (nuScenes-like).
+- ``bevfusion_camera_to_bev``: BEVFusion's ``get_geometry`` then ``bev_pool`` (LOONGKIT_BEVFUSION),
+  forward+backward through the camera features x, batch 1: 6 cameras, 118 depth bins on a 32x88
+  feature map (2M frustum points), 80 channels, 360x360 BEV, nuScenes-like camera matrices with
+  image and lidar augmentation (--quick: 59 depth bins on 16x44, 250k points). The upstream-style
+  module is the vendored test project of ``tests/integration/ops_kernels/upstream_bevfusion_project.py``
+  with its CPU stand-in for the CUDA extension (sort + cumulative sums).
 
 The upstream-style modules are the test modules in ``tests/unit/ops_models/`` (written from the
 published algorithms; mmcv's ``multi_scale_deformable_attn_pytorch`` when mmcv is installed, else an
@@ -150,6 +156,7 @@ def main() -> int:
         boxes.append(_boxes(torch.cat([centre, torch.zeros(n, 1), dims, yaw], 1)))
     compare("uniad_collision_loss", lambda: loss(traj, plan, torch.ones(1, 6), boxes), Switch("uniad", target),
             reps * 5, rounds)
+    bevfusion_camera_to_bev(args.quick, target, min(reps, 3), rounds)
     return 0
 
 
@@ -167,6 +174,39 @@ def _boxes(tensor: torch.Tensor) -> _Boxes:
     c, s = tensor[:, 6].cos()[:, None], tensor[:, 6].sin()[:, None]
     xy = torch.stack([local[..., 0] * c - local[..., 1] * s, local[..., 0] * s + local[..., 1] * c], -1)
     return _Boxes(tensor, torch.cat([xy, local[..., 2:]], -1) + tensor[:, None, :3])
+
+
+def bevfusion_camera_to_bev(quick: bool, target: str, reps: int, rounds: int) -> None:
+    """BEVFusion's camera-to-BEV block: the vendored project registered in the Registry double at ``target``."""
+    import importlib
+    import tempfile
+
+    path = Path(__file__).parents[1] / "tests" / "integration" / "ops_kernels" / "upstream_bevfusion_project.py"
+    spec = importlib.util.spec_from_file_location("lk_bench_bevfusion_project", path)
+    assert spec is not None and spec.loader is not None
+    project = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(project)
+    with tempfile.TemporaryDirectory() as root:
+        sys.path.insert(0, root)
+        try:
+            name = project.write_project(Path(root), "lk_bench_bevfusion", project.source(target))
+            vt = importlib.import_module(name)
+        finally:
+            sys.path.remove(root)
+    feature, dbound = ((16, 44), (1.0, 60.0, 1.0)) if quick else ((32, 88), (1.0, 60.0, 0.5))
+    lss = vt.LSSTransform(256, 80, (256, 704), feature, (-54.0, 54.0, 0.3), (-54.0, 54.0, 0.3), (-10.0, 10.0, 20.0),
+                          dbound)
+    gen = torch.Generator().manual_seed(0)
+    cams, extra = project.camera_inputs(1, torch.float32, gen)
+    x = torch.randn(1, 6, lss.D, *feature, 80, generator=gen).requires_grad_()
+    grad = torch.randn(1, 80, 360, 360, generator=gen)
+
+    def block() -> None:
+        x.grad = None  # a fresh gradient per step, as for the depth-weighted features of a real model
+        geom = lss.get_geometry(*cams, **extra)
+        lss.bev_pool(geom, x).backward(grad)
+
+    compare("bevfusion_camera_to_bev", block, Switch("bevfusion", target), reps, rounds)
 
 
 if __name__ == "__main__":

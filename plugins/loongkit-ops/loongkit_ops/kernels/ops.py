@@ -1,7 +1,8 @@
 """The ``loongkit::*`` torch.library custom ops, with fake (meta) impls and autograd.
 
-Each op picks its backend per call: the compiled C++ kernel for float32/float64 CPU tensors, the
-Triton kernel for CUDA tensors (when triton imports), otherwise the reference implementation
+Each op picks its backend per call: the compiled C++ kernel for float32/float64 CPU tensors (and
+float16 points for voxelization), the Triton kernel (``kernels/triton/<op>.py``) for fp16/bf16/fp32/
+fp64 CUDA tensors when triton imports, otherwise the reference implementation
 (:mod:`loongkit_ops.kernels.reference`, same maths in plain torch), so an op never fails because a
 kernel is missing. :func:`msda_backend`, :func:`dice_backend`, :func:`daf_backend`,
 :func:`bev_pool_backend` and :func:`voxelize_backend` say which one a tensor gets, and why.
@@ -155,15 +156,19 @@ ACTIVATIONS = {"none": 0, "sigmoid": 1, "softmax": 2}
 
 
 def dice_backend(logits: Tensor) -> tuple[str, str]:
-    """'cpu' or 'reference' (on GPUs the plain torch statistics are used)."""
-    return _backend(logits, "fused Dice")
+    """'cpu' (C++ kernel), 'triton' (CUDA tensors, kernels/triton/dice.py) or 'reference' (plain torch)."""
+    return _backend(logits, "fused Dice", triton="dice")
 
 
 @torch.library.custom_op("loongkit::dice_stats", mutates_args=())
 def dice_stats_op(logits: Tensor, target: Tensor, activation: int, drop_class: int, naive: bool) -> Tensor:
     """[N, 3] per-sample (sum p*t, sum p^2 | sum p, sum t^2) of logits [N, C, S] and labels [N, S]."""
-    if dice_backend(logits)[0] == "reference":
+    backend, _ = dice_backend(logits)
+    if backend == "reference":
         return reference.dice_stats(logits, target, activation, drop_class, naive)
+    if backend == "triton":
+        return _triton("dice").stats_forward(logits.contiguous(), target.to(torch.int64).contiguous(), activation,
+                                             drop_class, naive)
     stats = logits.new_empty(logits.shape[0], 3)
     kernels.load().dice_stats_forward(logits.contiguous(), target.to(torch.int64).contiguous(), activation,
                                       drop_class, naive, stats)
@@ -179,9 +184,13 @@ def _(logits: Tensor, target: Tensor, activation: int, drop_class: int, naive: b
 @torch.library.custom_op("loongkit::dice_stats_backward", mutates_args=())
 def dice_stats_backward_op(grad_stats: Tensor, logits: Tensor, target: Tensor, activation: int, drop_class: int,
                            naive: bool) -> Tensor:
-    if dice_backend(logits)[0] == "reference":
+    backend, _ = dice_backend(logits)
+    if backend == "reference":
         _, vjp = torch.func.vjp(lambda x: reference.dice_stats(x, target, activation, drop_class, naive), logits)
         return vjp(grad_stats)[0].contiguous()
+    if backend == "triton":
+        return _triton("dice").stats_backward(grad_stats.contiguous(), logits.contiguous(),
+                                              target.to(torch.int64).contiguous(), activation, drop_class, naive)
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
     kernels.load().dice_stats_backward(logits.contiguous(), target.to(torch.int64).contiguous(), activation,
                                        drop_class, naive, grad_stats.contiguous(), grad)
@@ -215,8 +224,12 @@ dice_stats_op.register_autograd(_dice_backward, setup_context=_dice_setup_contex
 @torch.library.custom_op("loongkit::dice_class_stats", mutates_args=())
 def dice_class_stats_op(logits: Tensor, target: Tensor, ignore_index: int, exponent: float) -> Tensor:
     """[N, C, 3] per-(sample, class) (sum p*t*valid, sum p^e, sum t^e) of logits [N, C, S] and labels [N, S]."""
-    if dice_backend(logits)[0] == "reference":
+    backend, _ = dice_backend(logits)
+    if backend == "reference":
         return reference.dice_class_stats(logits, target, ignore_index, exponent)
+    if backend == "triton":
+        return _triton("dice").class_stats_forward(logits.contiguous(), target.to(torch.int64).contiguous(),
+                                                   ignore_index, exponent)
     stats = logits.new_empty(logits.shape[0], logits.shape[1], 3)
     kernels.load().dice_class_stats_forward(logits.contiguous(), target.to(torch.int64).contiguous(), ignore_index,
                                             exponent, stats)
@@ -232,9 +245,13 @@ def _(logits: Tensor, target: Tensor, ignore_index: int, exponent: float) -> Ten
 @torch.library.custom_op("loongkit::dice_class_stats_backward", mutates_args=())
 def dice_class_stats_backward_op(grad_stats: Tensor, logits: Tensor, target: Tensor, ignore_index: int,
                                  exponent: float) -> Tensor:
-    if dice_backend(logits)[0] == "reference":
+    backend, _ = dice_backend(logits)
+    if backend == "reference":
         _, vjp = torch.func.vjp(lambda x: reference.dice_class_stats(x, target, ignore_index, exponent), logits)
         return vjp(grad_stats)[0].contiguous()
+    if backend == "triton":
+        return _triton("dice").class_stats_backward(grad_stats.contiguous(), logits.contiguous(),
+                                                    target.to(torch.int64).contiguous(), ignore_index, exponent)
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
     kernels.load().dice_class_stats_backward(logits.contiguous(), target.to(torch.int64).contiguous(), ignore_index,
                                              exponent, grad_stats.contiguous(), grad)
@@ -356,18 +373,21 @@ def deformable_aggregation(mc_ms_feat: Tensor, spatial_shape: Tensor, scale_star
 
 
 def bev_pool_backend(feats: Tensor) -> tuple[str, str]:
-    """'cpu' or 'reference' (on GPUs index_add is already a fused scatter)."""
-    return _backend(feats, "bev_pool")
+    """'cpu' (C++ kernel), 'triton' (CUDA tensors, kernels/triton/bev_pool.py) or 'reference' (index_add)."""
+    return _backend(feats, "bev_pool", triton="bev_pool")
 
 
 @torch.library.custom_op("loongkit::bev_pool", mutates_args=())
 def bev_pool_op(feats: Tensor, coords: Tensor, B: int, Z: int, X: int, Y: int) -> Tensor:
     """[B, C, Z, X, Y]: sums of feats [N, C] per voxel coords [N, 4] = (x, y, z, batch)."""
-    if bev_pool_backend(feats)[0] == "reference":
+    backend, _ = bev_pool_backend(feats)
+    if backend == "reference":
         return reference.bev_pool(feats, coords, B, Z, X, Y)
-    out = feats.new_empty(B, Z, X, Y, feats.shape[1])
+    if backend == "triton":
+        return _triton("bev_pool").forward(feats.contiguous(), coords.to(torch.int64).contiguous(), B, Z, X, Y)
+    out = feats.new_empty(B, feats.shape[1], Z, X, Y)  # written in this layout by the kernel: no permute
     kernels.load().bev_pool_forward(feats.contiguous(), coords.to(torch.int64).contiguous(), B, Z, X, Y, out)
-    return out.permute(0, 4, 1, 2, 3).contiguous()
+    return out
 
 
 @bev_pool_op.register_fake
@@ -379,14 +399,16 @@ def _(feats: Tensor, coords: Tensor, B: int, Z: int, X: int, Y: int) -> Tensor:
 @torch.library.custom_op("loongkit::bev_pool_backward", mutates_args=())
 def bev_pool_backward_op(grad_output: Tensor, coords: Tensor, B: int, Z: int, X: int, Y: int) -> Tensor:
     """grad_feats [N, C]: each point's voxel row of grad_output [B, C, Z, X, Y] (zero when dropped)."""
-    if bev_pool_backend(grad_output)[0] == "reference":
+    backend, _ = bev_pool_backend(grad_output)
+    if backend == "reference":
         c = grad_output.shape[1]
         feats = grad_output.new_zeros(coords.shape[0], c)
         _, vjp = torch.func.vjp(lambda f: reference.bev_pool(f, coords, B, Z, X, Y), feats)
         return vjp(grad_output)[0].contiguous()
-    grad_cl = grad_output.permute(0, 2, 3, 4, 1).contiguous()
+    if backend == "triton":
+        return _triton("bev_pool").backward(grad_output, coords.to(torch.int64).contiguous(), B, Z, X, Y)
     grad = grad_output.new_empty(coords.shape[0], grad_output.shape[1])
-    kernels.load().bev_pool_backward(grad_cl, coords.to(torch.int64).contiguous(), B, Z, X, Y, grad)
+    kernels.load().bev_pool_backward(grad_output.contiguous(), coords.to(torch.int64).contiguous(), B, Z, X, Y, grad)
     return grad
 
 
@@ -415,16 +437,20 @@ _VOXEL_DTYPES = (torch.float16, torch.float32, torch.float64)
 
 
 def voxelize_backend(points: Tensor) -> tuple[str, str]:
-    """'cpu' or 'reference' (the sort-based torch implementation)."""
-    return _backend(points, "voxelization", _VOXEL_DTYPES)
+    """'cpu' (C++ kernel), 'triton' (CUDA tensors, kernels/triton/voxelize.py) or 'reference' (sort-based torch)."""
+    return _backend(points, "voxelization", _VOXEL_DTYPES, triton="voxelize")
 
 
 @torch.library.custom_op("loongkit::hard_voxelize", mutates_args=())
 def hard_voxelize_op(points: Tensor, voxel_size: list[float], coors_range: list[float], max_points: int,
                      max_voxels: int) -> tuple[Tensor, Tensor, Tensor]:
     """(voxels [M, max_points, F], coors int32 [M, 3] (z, y, x), num_points int32 [M]) of points [N, F]."""
-    if voxelize_backend(points)[0] == "reference":
+    backend, _ = voxelize_backend(points)
+    if backend == "reference":
         return reference.hard_voxelize(points, voxel_size, coors_range, max_points, max_voxels)
+    if backend == "triton":
+        return _triton("voxelize").hard_voxelize(points.contiguous(), voxel_size, coors_range, max_points,
+                                                 max_voxels)
     voxels, coors, num = kernels.load().hard_voxelize(points.contiguous(), voxel_size, coors_range, max_points,
                                                       max_voxels)
     return voxels, coors, num
@@ -442,8 +468,11 @@ def _(points: Tensor, voxel_size: list[float], coors_range: list[float], max_poi
 @torch.library.custom_op("loongkit::dynamic_voxelize", mutates_args=())
 def dynamic_voxelize_op(points: Tensor, voxel_size: list[float], coors_range: list[float]) -> Tensor:
     """int32 [N, 3] (z, y, x) voxel of each point, -1 rows for points outside coors_range."""
-    if voxelize_backend(points)[0] == "reference":
+    backend, _ = voxelize_backend(points)
+    if backend == "reference":
         return reference.dynamic_voxelize(points, voxel_size, coors_range)
+    if backend == "triton":
+        return _triton("voxelize").dynamic_voxelize(points.contiguous(), voxel_size, coors_range)
     return kernels.load().dynamic_voxelize(points.contiguous(), voxel_size, coors_range)
 
 

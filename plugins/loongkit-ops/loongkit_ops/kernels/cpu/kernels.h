@@ -42,9 +42,9 @@ void daf_backward(const at::Tensor& mc_ms_feat, const at::Tensor& spatial_shape,
                   const at::Tensor& loc, const at::Tensor& weights, bool inside_only, const at::Tensor& grad_out,
                   at::Tensor& grad_feat, at::Tensor& grad_loc, at::Tensor& grad_weights);
 
-// BEV pooling: out [B, Z, X, Y, C] (channel-last, fully written) = per-voxel sums of feats [N, C] at
-// coords int64 [N, 4] (x, y, z, batch); out-of-grid points are dropped. Backward: grad_feats [N, C]
-// gathered from grad_out [B, Z, X, Y, C] (zero for dropped points).
+// BEV pooling: out [B, C, Z, X, Y] (BEVFusion's layout, fully written) = per-voxel sums of feats [N, C]
+// at coords int64 [N, 4] (x, y, z, batch); out-of-grid points are dropped. Backward: grad_feats [N, C]
+// gathered from grad_out [B, C, Z, X, Y] (zero for dropped points).
 void bev_pool_forward(const at::Tensor& feats, const at::Tensor& coords, int64_t B, int64_t Z, int64_t X, int64_t Y,
                       at::Tensor& out);
 void bev_pool_backward(const at::Tensor& grad_out, const at::Tensor& coords, int64_t B, int64_t Z, int64_t X,

@@ -1,0 +1,96 @@
+"""The Triton bev_pool kernel (kernels/triton/bev_pool.py), run by Triton's interpreter on CPU tensors.
+
+A child process with TRITON_INTERPRET=1 runs the ops with their backend forced to 'triton' (so the
+dispatch in kernels/ops.py is exercised too), forward and backward through autograd, with every
+torch.empty / empty_like / new_empty poisoned (NaN, or -7 for integers) so an element the kernels
+forget to write shows. The parent compares the results with the fp64 reference and with the C++
+kernel. Fresh random inputs every run; the seed is in every failure message.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from loongkit_ops import kernels
+from loongkit_ops.kernels import ops, reference
+
+SEED = int(torch.seed() % 2**31)
+# (points, channels, B, Z, X, Y): 130 channels span two channel blocks; a single point; an empty grid axis.
+CASES = [(40, 5, 2, 2, 3, 4), (1, 3, 1, 1, 2, 2), (24, 130, 1, 2, 2, 3), (30, 4, 3, 1, 1, 5), (6, 2, 1, 0, 2, 2)]
+
+POISON = textwrap.dedent("""
+    import torch
+    _empty, _empty_like, _new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
+    def _poison(t):
+        return t.fill_(float("nan") if t.is_floating_point() else (True if t.dtype == torch.bool else -7))
+    torch.empty = lambda *a, **k: _poison(_empty(*a, **k))
+    torch.empty_like = lambda *a, **k: _poison(_empty_like(*a, **k))
+    torch.Tensor.new_empty = lambda self, *a, **k: _poison(_new_empty(self, *a, **k))
+""")
+
+SCRIPT = POISON + textwrap.dedent("""
+    import sys
+    from loongkit_ops.kernels import ops
+    ops.bev_pool_backend = lambda t: ("triton", "")  # CPU tensors through the Triton branch
+    seed, path, cases = int(sys.argv[1]), sys.argv[2], eval(sys.argv[3])
+    gen = torch.Generator().manual_seed(seed)
+    results = []
+    for dtype in (torch.float32, torch.float64):
+        for n, c, b, z, x, y in cases:
+            feats = torch.randn(n, c, generator=gen, dtype=dtype)
+            # One beyond each side of the grid too: those points must be dropped.
+            coords = torch.stack([torch.randint(-1, d + 1, (n,), generator=gen) for d in (x, y, z, b)], 1)
+            if n > 3:
+                coords[1:3] = coords[0]  # several points in one voxel
+            grad = torch.randn(b, c, z, x, y, generator=gen, dtype=dtype)
+            f = feats.clone().requires_grad_()
+            out = ops.bev_pool_op(f, coords.to(torch.int32), b, z, x, y)
+            out.backward(grad)
+            results.append(dict(case=(n, c, b, z, x, y), feats=feats, coords=coords, grad=grad, out=out.detach(),
+                                grad_feats=f.grad))
+    torch.save(results, path)
+""")
+
+
+@pytest.fixture(scope="module")
+def ext() -> Any:
+    module = kernels.load()
+    assert module is not None, kernels.failure()
+    return module
+
+
+def test_triton_kernel_interpreted(ext: Any, tmp_path: Path) -> None:
+    pytest.importorskip("triton")
+    path = tmp_path / "results.pt"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(SEED), str(path), repr(CASES)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"seed {SEED}: {proc.stderr[-3000:]}"
+    results = torch.load(path)
+    assert len(results) == 2 * len(CASES)
+    for r in results:
+        feats, coords, grad, out, grad_feats = r["feats"], r["coords"], r["grad"], r["out"], r["grad_feats"]
+        n, c, b, z, x, y = r["case"]
+        dtype = feats.dtype
+        msg = f"seed {SEED}, case {r['case']}, {dtype}"
+        assert out.dtype == dtype and out.shape == (b, c, z, x, y), msg
+        assert grad_feats.dtype == dtype and grad_feats.shape == (n, c), msg
+        fd = feats.detach().double().requires_grad_()
+        expected = reference.bev_pool(fd, coords, b, z, x, y)
+        expected.backward(grad.double())
+        tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-13, "atol": 1e-13}
+        torch.testing.assert_close(out.double(), expected.detach(), **tol, msg=lambda m, s=msg: f"out {s}: {m}")
+        # The backward is a gather: exact, zeros for dropped points.
+        torch.testing.assert_close(grad_feats.double(), fd.grad, rtol=0, atol=0, msg=lambda m, s=msg: f"grad {s}: {m}")
+        assert ops.bev_pool_backend(feats)[0] == "cpu"
+        cpu = ops.bev_pool_op(feats, coords, b, z, x, y)
+        torch.testing.assert_close(out, cpu, **tol, msg=lambda m, s=msg: f"vs C++ kernel {s}: {m}")
+        torch.testing.assert_close(grad_feats, ops.bev_pool_backward_op(grad, coords, b, z, x, y), rtol=0, atol=0,
+                                   msg=lambda m, s=msg: f"grad vs C++ kernel {s}: {m}")
