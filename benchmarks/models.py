@@ -11,6 +11,12 @@
   image and lidar augmentation (--quick: 59 depth bins on 16x44, 250k points). The upstream-style
   module is the vendored test project of ``tests/integration/ops_kernels/upstream_bevfusion_project.py``
   with its CPU stand-in for the CUDA extension (sort + cumulative sums).
+- ``sparse4d_daf_block``: Sparse4D v3's DeformableFeatureAggregation (LOONGKIT_DAG), forward+backward
+  through the feature maps, instance features and anchors, batch 1: 900 anchors, 13 key points (7
+  fixed + 6 learnable), 6 cameras, levels 64x176, 32x88, 16x44, 8x22, 256 channels, 8 groups
+  (--quick: levels 32x88 .. 4x11). Upstream-style module: the vendored project of
+  ``tests/integration/ops_kernels/upstream_sparse4d_project.py`` on its grid_sample path (what runs
+  without the CUDA extension).
 
 The upstream-style modules are the test modules in ``tests/unit/ops_models/`` (written from the
 published algorithms; mmcv's ``multi_scale_deformable_attn_pytorch`` when mmcv is installed, else an
@@ -157,6 +163,7 @@ def main() -> int:
     compare("uniad_collision_loss", lambda: loss(traj, plan, torch.ones(1, 6), boxes), Switch("uniad", target),
             reps * 5, rounds)
     bevfusion_camera_to_bev(args.quick, target, min(reps, 3), rounds)
+    sparse4d_daf_block(args.quick, target, min(reps, 3), rounds)
     return 0
 
 
@@ -207,6 +214,42 @@ def bevfusion_camera_to_bev(quick: bool, target: str, reps: int, rounds: int) ->
         lss.bev_pool(geom, x).backward(grad)
 
     compare("bevfusion_camera_to_bev", block, Switch("bevfusion", target), reps, rounds)
+
+
+def sparse4d_daf_block(quick: bool, target: str, reps: int, rounds: int) -> None:
+    """Sparse4D's DeformableFeatureAggregation: the vendored project registered in the Registry double at ``target``."""
+    import importlib
+    import tempfile
+    import warnings
+
+    path = Path(__file__).parents[1] / "tests" / "integration" / "ops_kernels" / "upstream_sparse4d_project.py"
+    spec = importlib.util.spec_from_file_location("lk_bench_sparse4d_project", path)
+    assert spec is not None and spec.loader is not None
+    project = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(project)
+    with tempfile.TemporaryDirectory() as root:
+        sys.path.insert(0, root)
+        try:
+            blocks = importlib.import_module(project.write_project(Path(root), "lk_bench_sparse4d",
+                                                                   project.source(target)))
+        finally:
+            sys.path.remove(root)
+    levels = [(32, 88), (16, 44), (8, 22), (4, 11)] if quick else project.LEVELS
+    gen = torch.Generator().manual_seed(0)
+    dfa = project.build(blocks, torch.float32, gen)
+    data = project.inputs(1, 900, torch.float32, gen, levels=levels)
+    grad = torch.randn(1, 900, 256, generator=gen)
+
+    def block() -> None:
+        dfa.zero_grad()
+        maps = [t.detach().requires_grad_() for t in data["feature_maps"]]  # the FPN's outputs in a real step
+        instance = data["instance_feature"].detach().requires_grad_()
+        anchor = data["anchor"].detach().requires_grad_()
+        dfa(instance, anchor, data["anchor_embed"], maps, data["metas"]).backward(grad)
+
+    with warnings.catch_warnings():  # upstream's grid_sample call relies on the default align_corners
+        warnings.filterwarnings("ignore", "Default grid_sample", UserWarning)
+        compare("sparse4d_daf_block", block, Switch("dag", target), reps, rounds)
 
 
 if __name__ == "__main__":

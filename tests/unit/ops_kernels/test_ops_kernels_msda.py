@@ -198,3 +198,125 @@ def test_triton_kernel_interpreted() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     worst = float(proc.stdout.split("WORST")[-1])
     assert worst < 1.0, f"seed {SEED}: error {worst} x tolerance"
+
+
+# -- loongkit::ms_deform_attn_fused (BEVFormer's TSA / MSDeformableAttention3D) --------------------------
+
+# (NQ, queue, Q, heads, C, level shapes, points, reference points R, per_level): TSA-like (queue 2, one
+# reference point per level), MSDA3D-like (Z anchors dividing the points), odd channel counts, and one
+# (value batch, head) slice (2 threads split its queries into private buffers).
+FUSED_CASES = [
+    (1, 2, 9, 2, 8, [(5, 6)], 4, 1, True),
+    (2, 2, 7, 3, 5, [(4, 7), (2, 3)], 3, 2, True),
+    (3, 1, 8, 2, 33, [(6, 3), (3, 2)], 4, 2, False),
+    (2, 1, 6, 4, 32, [(5, 4)], 8, 4, False),
+    (1, 1, 11, 1, 7, [(4, 5)], 4, 2, False),
+]
+
+
+def make_fused(case: tuple, dtype: torch.dtype, gen: torch.Generator, strided: bool = True) -> tuple[Any, ...]:
+    nq, queue, q, heads, c, shapes, points, anchors, per_level = case
+    shapes_t = torch.tensor(shapes, dtype=torch.int64)
+    areas = shapes_t[:, 0] * shapes_t[:, 1]
+    starts = torch.cat([areas.new_zeros(1), areas.cumsum(0)[:-1]])
+    value = torch.randn(nq * queue, int(areas.sum()), heads, c, generator=gen, dtype=dtype)
+    ref = torch.rand(nq * queue, q, len(shapes) if per_level else anchors, 2, generator=gen, dtype=dtype) * 1.2 - 0.1
+    n = heads * queue * len(shapes) * points
+    # Offsets of a few pixels (inside, across the border and outside the maps), logits of order 1.
+    proj = torch.randn(nq, q, 3 * n + 5, generator=gen, dtype=dtype)
+    proj[..., :2 * n] *= 3
+    proj = proj[..., :3 * n] if strided else proj[..., :3 * n].contiguous()  # a slice: rows 3n + 5 apart
+    return value, shapes_t, starts, ref, proj, per_level, queue
+
+
+def fused_ref_all(args: tuple[Any, ...], grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    value, shapes, starts, ref, proj, per_level, queue = args
+    v, r, p = (t.detach().double().requires_grad_() for t in (value, ref, proj))
+    out = reference.ms_deform_attn_fused(v, shapes, starts, r, p, per_level, queue)
+    out.backward(grad.double())
+    return out.detach(), v.grad, r.grad, p.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", FUSED_CASES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_kernel_matches_reference(ext: Any, dtype: torch.dtype, case: tuple, threads: int) -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    value, shapes, starts, ref, proj, per_level, queue = args = make_fused(case, dtype, gen)
+    nq, q, heads, c = case[0], case[2], case[3], case[4]
+    grad = torch.randn(nq, q, heads * c, generator=gen, dtype=dtype)
+    expected = fused_ref_all(args, grad)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.full((nq, q, heads * c), float("nan"), dtype=dtype)
+        ext.msda_fused_forward(value, shapes, starts, ref, proj, per_level, queue, out)
+        gv = torch.full_like(value, float("nan"))  # the kernel writes every element of grad_value
+        gp = torch.full(proj.shape, float("nan"), dtype=dtype)
+        ext.msda_fused_backward(value, shapes, starts, ref, proj, per_level, queue, grad, gv, gp)
+        # grad of the reference points: through the op's autograd (from the offsets' gradient)
+        r = ref.clone().requires_grad_()
+        ops.ms_deform_attn_fused(value, shapes, starts, r, proj, per_level, queue).backward(grad)
+    finally:
+        torch.set_num_threads(before)
+    for name, mine, theirs in zip(("out", "grad_value", "grad_ref", "grad_proj"), (out, gv, r.grad, gp), expected,
+                                  strict=True):
+        torch.testing.assert_close(mine.double(), theirs, **tol(dtype), msg=lambda m, n=name: f"{n} seed {SEED}: {m}")
+
+
+def test_fused_op_autograd_gradcheck_and_opcheck(ext: Any) -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    value, shapes, starts, ref, proj, per_level, queue = make_fused(FUSED_CASES[1], torch.float64, gen)
+    inputs = [value.requires_grad_(), ref.requires_grad_(), proj.contiguous().requires_grad_()]
+    assert torch.autograd.gradcheck(
+        lambda v, r, p: ops.ms_deform_attn_fused_op(v, shapes, starts, r, p, per_level, queue), inputs, eps=1e-7,
+        atol=1e-5)
+    for dtype in (torch.float32, torch.float64):
+        value, shapes, starts, ref, proj, per_level, queue = make_fused(FUSED_CASES[2], dtype, gen, strided=False)
+        torch.library.opcheck(ops.ms_deform_attn_fused_op, (value.requires_grad_(), shapes, starts, ref,
+                                                            proj.requires_grad_(), per_level, queue))
+        grad = torch.randn(3, 8, 66, generator=gen, dtype=dtype)
+        torch.library.opcheck(ops.ms_deform_attn_fused_backward_op,
+                              (grad, value.detach(), shapes, starts, ref, proj.detach(), per_level, queue))
+
+
+def test_fused_reference_fallback_when_kernel_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "load", lambda: None)
+    monkeypatch.setattr(kernels, "failure", lambda: "RuntimeError: no compiler")
+    gen = torch.Generator().manual_seed(SEED)
+    value, shapes, starts, ref, proj, per_level, queue = args = make_fused(FUSED_CASES[0], torch.float64, gen)
+    grad = torch.randn(1, 9, 16, generator=gen, dtype=torch.float64)
+    inputs = [value.requires_grad_(), ref.requires_grad_(), proj.detach().requires_grad_()]
+    out = ops.ms_deform_attn_fused(inputs[0], shapes, starts, inputs[1], inputs[2], per_level, queue)
+    out.backward(grad)
+    for mine, theirs in zip((out, *(t.grad for t in inputs)), fused_ref_all(args, grad), strict=True):
+        torch.testing.assert_close(mine, theirs)
+
+
+def test_maps_beyond_the_cache(ext: Any) -> None:
+    """Value batches over 8 MiB take the prefetching path (and slices too large to stage): plain and fused."""
+    gen = torch.Generator().manual_seed(SEED)
+    dtype = torch.float64
+    shapes = torch.tensor([[200, 300], [5, 7]])
+    starts = torch.tensor([0, 60000])
+    value = torch.randn(1, 60035, 2, 16, generator=gen, dtype=dtype)  # 15 MiB
+    loc = torch.rand(1, 6, 2, 2, 3, 2, generator=gen, dtype=dtype) * 1.2 - 0.1
+    attn = torch.rand(1, 6, 2, 2, 3, generator=gen, dtype=dtype)
+    grad = torch.randn(1, 6, 32, generator=gen, dtype=dtype)
+    expected = ref_all(value, shapes, starts, loc, attn, grad)
+    out = torch.full((1, 6, 32), float("nan"), dtype=dtype)
+    ext.msda_forward(value, shapes, starts, loc, attn, out)
+    gv, gl, ga = torch.zeros_like(value), torch.empty_like(loc), torch.empty_like(attn)
+    ext.msda_backward(value, shapes, starts, loc, attn, grad, gv, gl, ga)
+    for mine, theirs in zip((out, gv, gl, ga), expected, strict=True):
+        torch.testing.assert_close(mine, theirs, **tol(dtype))
+    ref = torch.rand(1, 6, 3, 2, generator=gen, dtype=dtype)
+    proj = torch.randn(1, 6, 2 * 2 * 3 * 3, generator=gen, dtype=dtype)
+    args = (value, shapes, starts, ref, proj, False, 1)
+    out = torch.full((1, 6, 32), float("nan"), dtype=dtype)
+    ext.msda_fused_forward(*args, out)
+    gv, gp = torch.full_like(value, float("nan")), torch.empty_like(proj)
+    ext.msda_fused_backward(*args, grad, gv, gp)
+    expected = fused_ref_all(args, grad)
+    for mine, theirs in zip((out, gv, gp), (expected[0], expected[1], expected[3]), strict=True):
+        torch.testing.assert_close(mine, theirs, **tol(dtype))

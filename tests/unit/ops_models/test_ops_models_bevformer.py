@@ -141,6 +141,8 @@ def check_sca(mmcv1: types.ModuleType, bs: int, dtype: torch.dtype, levels: list
     kit.assert_same(before, after, dtype, SEED)
     assert ctx.record.calls >= 2, ctx.record  # the SCA fast path and the fused op both ran
     assert "fallbacks" not in ctx.record.details, ctx.record.details
+    msda3d = [v for k, v in ctx.record.details["patched"].items() if k.startswith("MSDeformableAttention3D")]  # type: ignore[union-attr]
+    assert msda3d and all("ms_deform_attn_fused" in v for v in msda3d), ctx.record.details
     return ctx
 
 
@@ -167,6 +169,125 @@ def test_tsa_tiny_equals_upstream(mmcv1: types.ModuleType) -> None:
                                     lambda i=impl, c=ctx: i.activate(c, TARGET), lambda i=impl, c=ctx: i.deactivate(c))
         kit.assert_same(before, after, dtype, SEED)
         assert ctx.record.calls == 1
+        assert "fallbacks" not in ctx.record.details, ctx.record.details
+        assert "ms_deform_attn_fused" in str(ctx.record.details["patched"])
+
+
+def test_tsa_first_frame_and_padding_mask(mmcv1: types.ModuleType) -> None:
+    """No previous BEV (value None: [current, current]) and a key padding mask, fp64."""
+    (bev,) = projects(mmcv1)
+    gen = torch.Generator().manual_seed(SEED)
+    module = bev.TemporalSelfAttention(embed_dims=64, num_heads=4, num_levels=1, dropout=0.0).double()
+    kit.randomise(module, gen, scale=0.2)
+    inputs = kit.tsa_inputs(1, torch.float64, gen, bev=12, dims=64)
+    mask = torch.rand(2, 144, generator=gen) < 0.2
+    grad = torch.randn(1, 144, 64, generator=gen, dtype=torch.float64)
+
+    def run(m: Any) -> list[torch.Tensor]:
+        m.zero_grad()
+        query = inputs["query"].clone().requires_grad_()
+        out = m(query, None, None, query_pos=inputs["query_pos"], key_padding_mask=mask,
+                reference_points=inputs["reference_points"], spatial_shapes=inputs["spatial_shapes"],
+                level_start_index=inputs["level_start_index"])
+        out.backward(grad)
+        return [out.detach(), query.grad, *(p.grad.clone() for p in m.parameters())]
+
+    impl, ctx = activation()
+    before, after = kit.compare(lambda: module, run, lambda: impl.activate(ctx, TARGET), lambda: impl.deactivate(ctx))
+    kit.assert_same(before, after, torch.float64, SEED)
+    assert ctx.record.calls == 1 and "fallbacks" not in ctx.record.details, ctx.record
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_msda3d_alone_equals_upstream(mmcv1: types.ModuleType, batch_first: bool) -> None:
+    """MSDeformableAttention3D called directly (not from SCA): bs 2, query_pos, padding mask, both layouts."""
+    (bev,) = projects(mmcv1)
+    gen = torch.Generator().manual_seed(SEED)
+    module = bev.MSDeformableAttention3D(embed_dims=64, num_heads=4, num_levels=2, num_points=6,
+                                         batch_first=batch_first).double()
+    kit.randomise(module, gen, scale=0.2)
+    shapes = torch.tensor([[6, 7], [3, 4]])
+    starts = torch.tensor([0, 42])
+    query = torch.randn(2, 30, 64, generator=gen, dtype=torch.float64)
+    value = torch.randn(2, 54, 64, generator=gen, dtype=torch.float64)
+    ref = torch.rand(2, 30, 3, 2, generator=gen, dtype=torch.float64)  # 3 Z anchors, 6 points
+    mask = torch.rand(2, 54, generator=gen) < 0.2
+    grad = torch.randn(2, 30, 64, generator=gen, dtype=torch.float64)
+    if not batch_first:
+        query, value, grad = query.transpose(0, 1), value.transpose(0, 1), grad.transpose(0, 1)
+
+    def run(m: Any) -> list[torch.Tensor]:
+        m.zero_grad()
+        q, v = query.clone().requires_grad_(), value.clone().requires_grad_()
+        out = m(q, None, v, query_pos=q * 0.5, key_padding_mask=mask, reference_points=ref, spatial_shapes=shapes,
+                level_start_index=starts)
+        out.backward(grad)
+        return [out.detach(), q.grad, v.grad, *(p.grad.clone() for p in m.parameters())]
+
+    impl, ctx = activation()
+    before, after = kit.compare(lambda: module, run, lambda: impl.activate(ctx, TARGET), lambda: impl.deactivate(ctx))
+    kit.assert_same(before, after, torch.float64, SEED)
+    assert ctx.record.calls == 1 and "fallbacks" not in ctx.record.details, ctx.record
+
+
+def test_sca_with_a_hooked_inner_module_calls_it(mmcv1: types.ModuleType) -> None:
+    """A forward hook on SCA's MSDeformableAttention3D: SCA calls the module (hook runs), same results."""
+    (bev,) = projects(mmcv1)
+    gen = torch.Generator().manual_seed(SEED)
+    module = sca_module(bev, TINY, torch.float64, gen)
+    seen: list[int] = []
+    module.deformable_attention.register_forward_hook(lambda m, args, out: seen.append(1))
+    inputs = kit.camera_inputs(1, torch.float64, gen, TINY, bev=12)
+    grad = torch.randn(1, 144, 256, generator=gen, dtype=torch.float64)
+    impl, ctx = activation()
+    before, after = kit.compare(lambda: module, lambda m: kit.run_sca(m, inputs, grad),
+                                lambda: impl.activate(ctx, TARGET), lambda: impl.deactivate(ctx))
+    kit.assert_same(before, after, torch.float64, SEED)
+    assert len(seen) == 2 and ctx.record.calls == 2, (seen, ctx.record)  # SCA fast path + the inner fused forward
+
+
+FORK = """
+from lk_upstream_bevformer import ATTENTION, multi_scale_deformable_attn_pytorch
+from lk_upstream_bevformer import TemporalSelfAttention as Base
+
+
+@ATTENTION.register_module(force=True)
+class TemporalSelfAttention(Base):
+    def forward(self, query, key=None, value=None, identity=None, query_pos=None, key_padding_mask=None,
+                reference_points=None, spatial_shapes=None, level_start_index=None, flag="decoder", **kwargs):
+        _ = (self.sampling_offsets, self.attention_weights, self.value_proj, self.output_proj,
+             multi_scale_deformable_attn_pytorch)
+        return 0.5 * super().forward(query, key, value, identity, query_pos, key_padding_mask, reference_points,
+                                     spatial_shapes, level_start_index, flag, **kwargs)
+"""
+
+
+def test_fork_without_upstream_maths_keeps_its_forward(mmcv1: types.ModuleType, tmp_path: Path) -> None:
+    """A TSA whose forward does not show upstream's expressions: only its sampling kernel is swapped."""
+    projects(mmcv1)
+    (tmp_path / "lk_fork_tsa.py").write_text(FORK)
+    impl, ctx = activation()
+    impl.activate(ctx, TARGET)
+    try:
+        fork = kit.load_file(tmp_path / "lk_fork_tsa.py", "lk_fork_tsa")
+        mine = ctx.record.details["patched"]["TemporalSelfAttention (lk_fork_tsa)"]  # type: ignore[index]
+        assert "own forward kept" in mine and "source lacks" in mine, mine
+        assert "forward" not in vars(fork.TemporalSelfAttention) or not hasattr(
+            fork.TemporalSelfAttention.forward, "__loongkit_fused__")
+        assert getattr(fork.multi_scale_deformable_attn_pytorch, "__loongkit_original__", None) is not None
+    finally:
+        impl.deactivate(ctx)
+    gen = torch.Generator().manual_seed(SEED)
+    module = fork.TemporalSelfAttention(embed_dims=64, num_heads=4, num_levels=1, dropout=0.0).double()
+    kit.randomise(module, gen, scale=0.2)
+    inputs = kit.tsa_inputs(1, torch.float64, gen, bev=12, dims=64)
+    grad = torch.randn(1, 144, 64, generator=gen, dtype=torch.float64)
+    try:
+        before, after = kit.compare(lambda: module, lambda m: kit.run_tsa(m, inputs, grad),
+                                    lambda: impl.activate(ctx, TARGET), lambda: impl.deactivate(ctx))
+    finally:
+        sys.modules.pop("lk_fork_tsa", None)
+    kit.assert_same(before, after, torch.float64, SEED)
 
 
 def test_tsa_batch_two_fails_as_upstream(mmcv1: types.ModuleType) -> None:

@@ -104,6 +104,8 @@ def test_tsa_equals_upstream(uniad: types.ModuleType, bs: int) -> None:
         before, after, ctx = compare(module, lambda m, i=inputs, g=grad: kit.run_tsa(m, i, g))
         kit.assert_same(before, after, dtype, SEED)
         assert ctx.record.calls == 1
+        assert "fallbacks" not in ctx.record.details, ctx.record.details  # batch-major rows: fused for any bs
+        assert "batch>1: batch-major" in str(ctx.record.details["patched"]), ctx.record.details
 
 
 class CenterBoxes:

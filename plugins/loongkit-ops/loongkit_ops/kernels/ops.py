@@ -149,6 +149,95 @@ def multi_scale_deformable_attn(value: Tensor, spatial_shapes: Tensor, level_sta
                              attention_weights.to(value.dtype))
 
 
+# BEVFormer's TemporalSelfAttention / MSDeformableAttention3D: softmax, locations and the mean over the
+# [previous, current] BEV queue inside the kernel (see reference.ms_deform_attn_fused for the maths).
+
+
+@torch.library.custom_op("loongkit::ms_deform_attn_fused", mutates_args=())
+def ms_deform_attn_fused_op(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor,
+                            reference_points: Tensor, projection: Tensor, per_level: bool, queue: int) -> Tensor:
+    """[NQ, Q, heads*C] from value [NQ*queue, K, heads, C], reference_points [NQ*queue, Q, R, 2] and the
+    query projections' output [NQ, Q, heads*queue*L*P*3] = [sampling offsets | attention logits]."""
+    if msda_backend(value)[0] != "cpu":  # no Triton kernel: the fused modules only call it on CPU
+        return reference.ms_deform_attn_fused(value, spatial_shapes, level_start_index, reference_points, projection,
+                                              per_level, queue)
+    shapes, starts = _index_args(spatial_shapes, level_start_index, value.device)
+    value = value.contiguous()
+    proj = projection if projection.stride(-1) == 1 else projection.contiguous()  # rows may be strided
+    out = value.new_empty(value.shape[0] // queue, proj.shape[1], value.shape[2] * value.shape[3])
+    kernels.load().msda_fused_forward(value, shapes, starts, reference_points.contiguous(), proj, per_level, queue,
+                                      out)
+    return out
+
+
+@ms_deform_attn_fused_op.register_fake
+def _(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor, reference_points: Tensor,
+      projection: Tensor, per_level: bool, queue: int) -> Tensor:
+    torch._check(value.dim() == 4 and projection.dim() == 3 and reference_points.dim() == 4)
+    return value.new_empty(value.shape[0] // queue, projection.shape[1], value.shape[2] * value.shape[3])
+
+
+@torch.library.custom_op("loongkit::ms_deform_attn_fused_backward", mutates_args=())
+def ms_deform_attn_fused_backward_op(grad_output: Tensor, value: Tensor, spatial_shapes: Tensor,
+                                     level_start_index: Tensor, reference_points: Tensor, projection: Tensor,
+                                     per_level: bool, queue: int) -> tuple[Tensor, Tensor]:
+    """(grad_value, grad_projection), both contiguous."""
+    if msda_backend(value)[0] != "cpu":
+        _, vjp = torch.func.vjp(
+            lambda v, p: reference.ms_deform_attn_fused(v, spatial_shapes, level_start_index, reference_points, p,
+                                                        per_level, queue), value, projection)
+        return tuple(g.contiguous() for g in vjp(grad_output))  # type: ignore[return-value]
+    shapes, starts = _index_args(spatial_shapes, level_start_index, value.device)
+    value = value.contiguous()
+    proj = projection if projection.stride(-1) == 1 else projection.contiguous()
+    grad_value = torch.empty_like(value)  # the kernel writes all of it
+    grad_proj = proj.new_empty(proj.shape)
+    kernels.load().msda_fused_backward(value, shapes, starts, reference_points.contiguous(), proj, per_level, queue,
+                                       grad_output.contiguous(), grad_value, grad_proj)
+    return grad_value, grad_proj
+
+
+@ms_deform_attn_fused_backward_op.register_fake
+def _(grad_output: Tensor, value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor,
+      reference_points: Tensor, projection: Tensor, per_level: bool, queue: int) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(value, memory_format=torch.contiguous_format), projection.new_empty(projection.shape)
+
+
+def _msda_fused_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    ctx.save_for_backward(*inputs[:5])
+    ctx.per_level, ctx.queue = inputs[5], inputs[6]
+
+
+def _msda_fused_backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+    value, shapes, starts, ref, proj = ctx.saved_tensors
+    grad_value, grad_proj = ms_deform_attn_fused_backward_op(grad_output, value, shapes, starts, ref, proj,
+                                                             ctx.per_level, ctx.queue)
+    grad_ref = None
+    if ctx.needs_input_grad[3]:  # rare (reference points are usually constants): from the offsets' gradient
+        nq, q, _ = grad_proj.shape
+        heads, levels, anchors = value.shape[2], shapes.shape[0], ref.shape[2]
+        points = grad_proj.shape[2] // (heads * ctx.queue * levels * 3)
+        scale = torch.stack([shapes[:, 1], shapes[:, 0]], -1).to(device=value.device, dtype=grad_proj.dtype)
+        grad_off = grad_proj[..., :heads * ctx.queue * levels * points * 2]
+        grad_loc = grad_off.reshape(nq, q, heads, ctx.queue, levels, points, 2) * scale[:, None, :]
+        if ctx.per_level:
+            grad_ref = grad_loc.sum((2, 5))
+        else:
+            grad_ref = grad_loc.view(nq, q, heads, ctx.queue, levels, points // anchors, anchors, 2).sum((2, 4, 5))
+        grad_ref = grad_ref.transpose(1, 2).reshape(ref.shape)
+    return grad_value, None, None, grad_ref, grad_proj, None, None
+
+
+ms_deform_attn_fused_op.register_autograd(_msda_fused_backward, setup_context=_msda_fused_setup_context)
+
+
+def ms_deform_attn_fused(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor, reference_points: Tensor,
+                         projection: Tensor, per_level: bool, queue: int = 1) -> Tensor:
+    """The fused op with the modules' conventions: reference points and projection cast to value's dtype."""
+    return ms_deform_attn_fused_op(value, spatial_shapes, level_start_index, reference_points.to(value.dtype),
+                                   projection.to(value.dtype), per_level, queue)
+
+
 # ------------------------------------------------------------------------------------------------
 # Dice loss statistics (mmseg >= 1.1 DiceLoss)
 

@@ -45,6 +45,38 @@ def ms_deform_attn(value: Tensor, spatial_shapes: Tensor, level_start_index: Ten
     return out.reshape(bs, Lq, heads * C)
 
 
+
+def ms_deform_attn_fused(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor,
+                         reference_points: Tensor, projection: Tensor, per_level: bool, queue: int) -> Tensor:
+    """BEVFormer's TemporalSelfAttention / MSDeformableAttention3D sampling from the raw projections.
+
+    value [NQ*queue, K, heads, C]; reference_points [NQ*queue, Q, R, 2]; projection [NQ, Q,
+    heads*queue*L*P*3] = [sampling offsets | attention logits] as the modules' two query projections
+    output them. Weights are the softmax of the logits over (L, P); the location of (level l, point p)
+    is the reference point ``l`` (per_level) or ``p % R`` plus offset / (W_l, H_l). Returns the mean
+    over the queue of the sampled sums of query batch n from value batches n*queue + t: [NQ, Q, heads*C].
+    """
+    nv, _, heads, c = value.shape
+    nq, q = projection.shape[:2]
+    levels = spatial_shapes.shape[0]
+    points = projection.shape[2] // (heads * queue * levels * 3)
+    anchors = reference_points.shape[2]
+    n_off = heads * queue * levels * points * 2
+    off = projection[..., :n_off].reshape(nq, q, heads, queue, levels, points, 2)
+    weights = projection[..., n_off:].reshape(nq, q, heads, queue, levels * points).softmax(-1)
+    shapes = spatial_shapes.to(device=value.device, dtype=torch.int64)
+    off = off / torch.stack([shapes[:, 1], shapes[:, 0]], -1).to(value.dtype)[:, None, :]
+    ref = reference_points.reshape(nq, queue, q, anchors, 2).permute(0, 2, 1, 3, 4)  # [NQ, Q, queue, R, 2]
+    if per_level:
+        loc = ref[:, :, None, :, :, None, :] + off
+    else:
+        loc = ref[:, :, None, :, None, None] + off.reshape(nq, q, heads, queue, levels, points // anchors, anchors, 2)
+    loc = loc.reshape(nq, q, heads, queue, levels, points, 2).permute(0, 3, 1, 2, 4, 5, 6)
+    weights = weights.reshape(nq, q, heads, queue, levels, points).permute(0, 3, 1, 2, 4, 5)
+    out = ms_deform_attn(value, shapes, level_start_index, loc.reshape(nv, q, heads, levels, points, 2),
+                         weights.reshape(nv, q, heads, levels, points))
+    return out.reshape(nq, queue, q, heads * c).mean(1)
+
 def dice_stats(logits: Tensor, target: Tensor, activation: int, drop_class: int, naive: bool) -> Tensor:
     """Per-sample (sum p*t, sum p^2 or sum p, sum t^2) of mmseg 1.x DiceLoss; logits [N, C, S], target [N, S].
 

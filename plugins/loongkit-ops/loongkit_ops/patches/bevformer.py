@@ -16,8 +16,17 @@ forward references) and patched, or left alone with "interface differs: ..." in 
   UniAD's ``MotionDeformableAttention``): their CPU path calls ``multi_scale_deformable_attn_pytorch``
   from their own module's globals (imported from mmcv when the project was imported). That global
   is swapped for the dispatcher of :mod:`.msda` (float32/float64 CPU -> ``loongkit::ms_deform_attn``,
-  otherwise the original), so the modules' own maths, layouts and batch behaviour stay upstream's
-  line for line and only the sampling kernel changes.
+  otherwise the original), so whatever runs the original forward only changes the sampling kernel.
+- ``MSDeformableAttention3D`` and ``TemporalSelfAttention`` whose source shows upstream's maths
+  (:data:`FUSED_MARKERS`) also get a fused forward (:func:`msda3d_fused`, :func:`tsa_fused`): the
+  offset and attention projections as one matmul (TSA: the previous-BEV half of its [previous,
+  current] query as its own product, so no gradient is computed for a previous BEV that needs
+  none), and softmax, sampling locations, sampling and TSA's mean over the two frames in one op
+  (``loongkit::ms_deform_attn_fused``). Inside SCA, its MSDeformableAttention3D projects the BEV
+  queries once, before the per-camera gather (upstream projects every gathered copy and the zero
+  padding, whose outputs SCA discards). Calls the fused path does not cover (other devices and
+  dtypes, 4-coordinate reference points, TSA with bs > 1 in a layout that is not batch-major) run the
+  original forward.
 
 Batch size > 1, derived from upstream's SCA: the queries a camera sees are taken from the mask of
 sample 0 (``mask_per_img[0]``) for every sample of the batch, while the normaliser (how many cameras
@@ -122,6 +131,212 @@ def interface_problem(name: str, cls: type, spec: Spec) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------
+# MSDeformableAttention3D and TemporalSelfAttention: fused forwards
+
+# Expressions of upstream's forward (whitespace removed) that define the maths the fused forward
+# reproduces; a class whose source lacks one keeps its own forward (with the fused sampling kernel).
+_COMMON_MARKERS = ("self.value_proj(value)", ".softmax(-1)",
+                   "torch.stack([spatial_shapes[...,1],spatial_shapes[...,0]],-1)")
+FUSED_MARKERS: dict[str, tuple[str, ...]] = {
+    "MSDeformableAttention3D": (*_COMMON_MARKERS, "reference_points[:,:,None,None,None,:,:]"),
+    "TemporalSelfAttention": (*_COMMON_MARKERS, "reference_points[:,:,None,:,None,:]", "torch.cat([value[",
+                              "],query],-1)", "self.output_proj(", "self.dropout(output)+identity"),
+}
+
+
+def compact_source(fn: Any) -> str | None:
+    try:
+        return "".join(inspect.getsource(fn).split())
+    except (OSError, TypeError):
+        return None
+
+
+def fused_problem(name: str, forward: Any) -> str | None:
+    """None when ``forward``'s source shows the maths :func:`msda3d_fused` / :func:`tsa_fused` compute."""
+    compact = compact_source(forward)
+    if compact is None:
+        return "source unavailable"
+    missing = [m for m in FUSED_MARKERS[name] if m not in compact]
+    return f"source lacks {missing}" if missing else None
+
+
+def tsa_layout(forward: Any) -> str | None:
+    """'batch-major' when the TSA's rows are [sample, queue] with the previous half ``value[:bs]``
+    (BEVFormer's and UniAD's code); otherwise None: bs > 1 runs the original."""
+    compact = compact_source(forward) or ""
+    if "permute(0,3,1,2,4,5)" in compact and "torch.cat([value[:bs],query],-1)" in compact:
+        return "batch-major"
+    return None
+
+
+def _msda_common_problem(module: Any, query: Any, value: Any, reference_points: Any, spatial_shapes: Any,
+                         queue: int) -> str | None:
+    import torch
+
+    from loongkit_ops.kernels import ops
+
+    if getattr(module, "fp16_enabled", False):
+        return "fp16_enabled (force_fp32 casts)"
+    so, aw = getattr(module, "sampling_offsets", None), getattr(module, "attention_weights", None)
+    if not (isinstance(so, torch.nn.Linear) and isinstance(aw, torch.nn.Linear) and so.bias is not None
+            and aw.bias is not None and callable(getattr(module, "value_proj", None))):
+        return "sampling_offsets/attention_weights are not biased Linear layers"
+    if not all(isinstance(t, torch.Tensor) for t in (query, value, reference_points, spatial_shapes)):
+        return "missing tensors"
+    backend, why = ops.msda_backend(value)
+    if backend != "cpu":
+        return why or f"{value.device.type} tensors"
+    if query.dtype != value.dtype or reference_points.dtype != value.dtype or so.weight.dtype != value.dtype:
+        return "mixed dtypes"
+    heads, levels, points = module.num_heads, module.num_levels, module.num_points
+    if (reference_points.shape[-1] != 2 or spatial_shapes.dim() != 2 or spatial_shapes.shape[0] != levels
+            or so.out_features != heads * queue * levels * points * 2 or aw.out_features != so.out_features // 2
+            or query.shape[-1] * (2 if queue > 1 else 1) != so.in_features):
+        return "unexpected shapes (or 4-coordinate reference points)"
+    return None
+
+
+def merged_projection(module: Any) -> tuple[Any, Any]:
+    """[sampling_offsets; attention_weights] as one weight and bias: one matmul for both."""
+    import torch
+
+    so, aw = module.sampling_offsets, module.attention_weights
+    return torch.cat([so.weight, aw.weight]), torch.cat([so.bias, aw.bias])
+
+
+def msda3d_sample(module: Any, value: Any, proj: Any, reference_points: Any, key_padding_mask: Any,
+                  spatial_shapes: Any, level_start_index: Any) -> Any:
+    """MSDeformableAttention3D after its query projections: ``proj`` [bs, Q, offsets | logits]."""
+    from loongkit_ops.kernels import ops
+
+    bs, num_value, _ = value.shape
+    value = module.value_proj(value)
+    if key_padding_mask is not None:
+        value = value.masked_fill(key_padding_mask[..., None], 0.0)
+    value = value.view(bs, num_value, module.num_heads, -1)
+    return ops.ms_deform_attn_fused(value, spatial_shapes, level_start_index, reference_points, proj, False, 1)
+
+
+def msda3d_problem(module: Any, query: Any, value: Any, reference_points: Any, spatial_shapes: Any) -> str | None:
+    problem = _msda_common_problem(module, query, query if value is None else value, reference_points,
+                                   spatial_shapes, 1)
+    if problem is None and (reference_points.dim() != 4 or module.num_points % reference_points.shape[2]):
+        return "reference points are not [bs, Q, Z anchors, 2] with the anchors dividing the points"
+    return problem
+
+
+def msda3d_fused(module: Any, query: Any, value: Any, query_pos: Any, key_padding_mask: Any, reference_points: Any,
+                 spatial_shapes: Any, level_start_index: Any) -> Any:
+    """MSDeformableAttention3D.forward's maths on the fused op (see the module docstring)."""
+    import torch.nn.functional as F
+
+    if value is None:
+        value = query
+    if query_pos is not None:
+        query = query + query_pos
+    if not module.batch_first:
+        query, value = query.permute(1, 0, 2), value.permute(1, 0, 2)
+    weight, bias = merged_projection(module)
+    output = msda3d_sample(module, value, F.linear(query, weight, bias), reference_points, key_padding_mask,
+                           spatial_shapes, level_start_index)
+    return output if module.batch_first else output.permute(1, 0, 2)
+
+
+def tsa_fused(module: Any, query: Any, value: Any, identity: Any, query_pos: Any, key_padding_mask: Any,
+              reference_points: Any, spatial_shapes: Any, level_start_index: Any) -> Any:
+    """TemporalSelfAttention.forward's maths on the fused op, batch-major rows (see the module docstring)."""
+    import torch
+
+    from loongkit_ops.kernels import ops
+
+    if value is None:  # batch_first (checked): [current, current] per sample
+        bs, length, channels = query.shape
+        value = torch.stack([query, query], 1).reshape(bs * 2, length, channels)
+    if identity is None:
+        identity = query
+    if query_pos is not None:
+        query = query + query_pos
+    if not module.batch_first:
+        query, value = query.permute(1, 0, 2), value.permute(1, 0, 2)
+    bs, num_query, embed_dims = query.shape
+    num_value = value.shape[1]
+    queue = module.num_bev_queue
+    weight, bias = merged_projection(module)
+    # cat([value[:bs], query]) @ W.T as two products: none for the previous BEV unless it needs a gradient.
+    proj = torch.addmm(bias, query.reshape(-1, embed_dims), weight[:, embed_dims:].t())
+    proj = torch.addmm(proj, value[:bs].reshape(-1, embed_dims), weight[:, :embed_dims].t())
+    proj = proj.view(bs, num_query, -1)
+    value = module.value_proj(value)
+    if key_padding_mask is not None:
+        value = value.masked_fill(key_padding_mask[..., None], 0.0)
+    value = value.reshape(bs * queue, num_value, module.num_heads, -1)
+    output = ops.ms_deform_attn_fused(value, spatial_shapes, level_start_index, reference_points, proj, True, queue)
+    output = module.output_proj(output)
+    if not module.batch_first:
+        output = output.permute(1, 0, 2)
+    return module.dropout(output) + identity
+
+
+def tsa_problem(module: Any, query: Any, value: Any, reference_points: Any, spatial_shapes: Any,
+                layout: str | None) -> str | None:
+    queue = getattr(module, "num_bev_queue", None)
+    if queue != 2 or not all(callable(getattr(module, a, None)) for a in ("output_proj", "dropout")):
+        return "num_bev_queue is not 2, or no output_proj/dropout"
+    if not (hasattr(reference_points, "dim") and reference_points.dim() == 4):
+        return "reference points are not [bs * queue, Q, levels, 2]"
+    if value is None and not module.batch_first:
+        return "value is None with batch_first=False"
+    problem = _msda_common_problem(module, query, query if value is None else value, reference_points,
+                                   spatial_shapes, queue)
+    if problem is not None:
+        return problem
+    bs = query.shape[0] if module.batch_first else query.shape[1]
+    if bs > 1 and layout != "batch-major":
+        return "batch > 1 in a TemporalSelfAttention whose rows are not batch-major"
+    num_query = query.shape[1] if module.batch_first else query.shape[0]
+    rows = bs * queue if value is None else (value.shape[0] if module.batch_first else value.shape[1])
+    if rows != bs * queue or tuple(reference_points.shape[:3]) != (bs * queue, num_query, module.num_levels):
+        return "unexpected shapes"
+    return None
+
+
+def make_fused_forward(name: str, original: Any, layout: str | None, record: Any,
+                       on_fallback: Callable[[str], None]) -> Any:
+    """The class's forward, same signature: the fused maths where it applies, else the original."""
+    if name == "TemporalSelfAttention":
+        def forward(self: Any, query: Any, key: Any = None, value: Any = None, identity: Any = None,
+                    query_pos: Any = None, key_padding_mask: Any = None, reference_points: Any = None,
+                    spatial_shapes: Any = None, level_start_index: Any = None, flag: str = "decoder",
+                    **kwargs: Any) -> Any:
+            why = tsa_problem(self, query, value, reference_points, spatial_shapes, layout)
+            if why is not None:
+                on_fallback(f"TemporalSelfAttention: {why}")
+                return original(self, query, key, value, identity, query_pos, key_padding_mask, reference_points,
+                                spatial_shapes, level_start_index, flag, **kwargs)
+            record.calls += 1
+            return tsa_fused(self, query, value, identity, query_pos, key_padding_mask, reference_points,
+                             spatial_shapes, level_start_index)
+    else:
+        def forward(self: Any, query: Any, key: Any = None, value: Any = None, identity: Any = None,  # type: ignore[misc]
+                    query_pos: Any = None, key_padding_mask: Any = None, reference_points: Any = None,
+                    spatial_shapes: Any = None, level_start_index: Any = None, **kwargs: Any) -> Any:
+            why = msda3d_problem(self, query, value, reference_points, spatial_shapes)
+            if why is not None:
+                on_fallback(f"MSDeformableAttention3D: {why}")
+                return original(self, query, key, value, identity, query_pos, key_padding_mask, reference_points,
+                                spatial_shapes, level_start_index, **kwargs)
+            record.calls += 1
+            return msda3d_fused(self, query, value, query_pos, key_padding_mask, reference_points, spatial_shapes,
+                                level_start_index)
+
+    forward.__doc__ = getattr(original, "__doc__", None)
+    forward.__loongkit_feature__ = record.feature.name  # type: ignore[attr-defined]
+    forward.__loongkit_original__ = original  # type: ignore[attr-defined]
+    forward.__loongkit_fused__ = name  # type: ignore[attr-defined]
+    return forward
+
+
+# ------------------------------------------------------------------------------------------------
 # SpatialCrossAttention
 
 
@@ -165,10 +380,27 @@ def _sca_fallback(module: Any, query: Any, key: Any, residual: Any, reference_po
     return None
 
 
+def packed_msda3d(inner: Any, query: Any, value: Any, reference_points_cam: Any, spatial_shapes: Any) -> bool:
+    """Whether SCA may run its MSDeformableAttention3D's maths itself, projecting the BEV queries before
+    the gather: the inner module has the fused forward, no hooks, and the call is one it fuses."""
+    import torch
+
+    if getattr(forward_function(type(inner)), "__loongkit_fused__", None) != "MSDeformableAttention3D":
+        return False
+    glob = torch.nn.modules.module  # hooks run only when the module is called: then call it
+    if (not getattr(inner, "batch_first", False) or inner._forward_hooks or inner._forward_pre_hooks
+            or inner._backward_hooks or inner._backward_pre_hooks or glob._global_forward_hooks
+            or glob._global_forward_pre_hooks or glob._global_backward_hooks or glob._global_backward_pre_hooks):
+        return False
+    return msda3d_problem(inner, query, value, reference_points_cam[0], spatial_shapes) is None
+
+
 def sca_fused(module: Any, query: Any, key: Any, value: Any, query_pos: Any, reference_points_cam: Any,
-              bev_mask: Any, spatial_shapes: Any, level_start_index: Any, layout: str | None) -> Any:
+              bev_mask: Any, spatial_shapes: Any, level_start_index: Any, layout: str | None,
+              record: Any = None) -> Any:
     """SpatialCrossAttention.forward's maths with batched gather/scatter (see the module docstring)."""
     import torch
+    import torch.nn.functional as F
 
     if value is None:
         value = key
@@ -191,8 +423,16 @@ def sca_fused(module: Any, query: Any, key: Any, value: Any, query_pos: Any, ref
     table = table.scatter(0, target, queries_index)[:dump]  # the dump slot (invisible pairs) is dropped
 
     # Gather: padding reads an appended zero row, as upstream's zero-initialised buffers hold.
-    query_pad = torch.cat([query, query.new_zeros(bs, 1, query.shape[-1])], 1)
-    queries_rebatch = query_pad[:, table].reshape(bs * num_cams, max_len, embed_dims)
+    inner = module.deformable_attention
+    packed = packed_msda3d(inner, query, value, reference_points_cam, spatial_shapes)
+    if packed:  # the gathered rows of the projected queries; padding rows' outputs are discarded below
+        weight, bias = merged_projection(inner)
+        proj = F.linear(query, weight, bias)
+        proj = torch.cat([proj, proj.new_zeros(bs, 1, proj.shape[-1])], 1)
+        proj_rebatch = proj.index_select(1, table).reshape(bs * num_cams, max_len, -1)
+    else:
+        query_pad = torch.cat([query, query.new_zeros(bs, 1, query.shape[-1])], 1)
+        queries_rebatch = query_pad.index_select(1, table).reshape(bs * num_cams, max_len, embed_dims)
     ref_pad = torch.cat([reference_points_cam, reference_points_cam.new_zeros(num_cams, bs, 1, depth, 2)], 2)
     cams = torch.arange(num_cams, device=visible.device)[:, None]
     ref_rebatch = ref_pad.transpose(0, 1)[:, cams, table.view(num_cams, max_len)]
@@ -205,8 +445,13 @@ def sca_fused(module: Any, query: Any, key: Any, value: Any, query_pos: Any, ref
     else:  # camera-major, BEVFormer's (identical to batch-major when bs == 1)
         key = key.permute(0, 2, 1, 3).view(num_cams * key_bs, length, embed_dims)
         value = value.permute(0, 2, 1, 3).view(num_cams * key_bs, length, embed_dims)
-    queries = module.deformable_attention(query=queries_rebatch, key=key, value=value, reference_points=ref_rebatch,
-                                          spatial_shapes=spatial_shapes, level_start_index=level_start_index)
+    if packed:
+        if record is not None:
+            record.calls += 1
+        queries = msda3d_sample(inner, value, proj_rebatch, ref_rebatch, None, spatial_shapes, level_start_index)
+    else:
+        queries = inner(query=queries_rebatch, key=key, value=value, reference_points=ref_rebatch,
+                        spatial_shapes=spatial_shapes, level_start_index=level_start_index)
 
     # Scatter: index_add walks the index in order, so each query sums its cameras in camera order.
     out = queries.reshape(bs, num_cams * max_len, -1)
@@ -232,7 +477,7 @@ def make_sca_forward(original: Any, layout: str | None, record: Any, on_fallback
                             spatial_shapes, reference_points_cam, bev_mask, level_start_index, flag, **kwargs)
         record.calls += 1
         return sca_fused(self, query, key, value, query_pos, reference_points_cam, bev_mask, spatial_shapes,
-                         level_start_index, layout)
+                         level_start_index, layout, record)
 
     forward.__doc__ = getattr(original, "__doc__", None)
     forward.__loongkit_feature__ = record.feature.name  # type: ignore[attr-defined]
@@ -360,12 +605,23 @@ class Bevformer(BevformerMSDA):
             raise NotApplicable(f"interface differs: {name}.forward's module is not importable")
         current = namespace.get(FUNCTION)
         if getattr(current, "__loongkit_original__", None) is not None:
-            return f"{module.__name__}.{FUNCTION} already on loongkit::ms_deform_attn"
-        problem = function_problem(current)
-        if problem:
-            raise NotApplicable(f"interface differs: {module.__name__}.{problem}")
-        ctx.patcher.patch(module, FUNCTION, fused_dispatcher(current, ctx.record))  # kernel built at first call
-        return f"{module.__name__}.{FUNCTION} -> loongkit::ms_deform_attn (CPU)"
+            done = f"{module.__name__}.{FUNCTION} already on loongkit::ms_deform_attn"
+        else:
+            problem = function_problem(current)
+            if problem:
+                raise NotApplicable(f"interface differs: {module.__name__}.{problem}")
+            ctx.patcher.patch(module, FUNCTION, fused_dispatcher(current, ctx.record))  # kernel built at first call
+            done = f"{module.__name__}.{FUNCTION} -> loongkit::ms_deform_attn (CPU)"
+        if name not in FUSED_MARKERS:
+            return done
+        problem = fused_problem(name, forward)
+        if problem is not None:  # the module's own maths stay, on the fused sampling kernel
+            ctx.log.info("own forward kept", cls=name, reason=problem)
+            return f"{done}; own forward kept ({problem})"
+        layout = tsa_layout(forward) if name == "TemporalSelfAttention" else "any"
+        fused = make_fused_forward(name, cls.forward, layout, ctx.record, self.classes(ctx).on_fallback)  # type: ignore[attr-defined]
+        ctx.patcher.patch(cls, "forward", fused)
+        return f"{done}; forward on loongkit::ms_deform_attn_fused (batch>1: {layout or 'original forward'})"
 
     def deactivate(self, ctx: ActivationContext) -> None:
         found = getattr(self, "_classes", None)

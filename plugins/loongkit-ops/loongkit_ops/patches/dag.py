@@ -129,9 +129,9 @@ def _fused_inputs(module: Any, feature_maps: Any, ops: Any, torch: Any) -> tuple
     if ops.daf_backend(feature_maps[0])[0] == "reference" or any(t.dtype != feature_maps[0].dtype
                                                                   for t in feature_maps):
         return None
-    # [bs, cams, C, sum(H*W)] -> [bs, cams * sum(H*W), C]: camera-major, then level, row-major.
-    flat = torch.cat([t.flatten(3) for t in feature_maps], dim=3)
-    feat = flat.transpose(2, 3).reshape(bs, -1, c)
+    # [bs, cams, C, H, W] per level -> [bs, cams * sum(H*W), C]: camera-major, then level, row-major.
+    # One copy: cat writes the transposed levels straight into the channels-last result.
+    feat = torch.cat([t.flatten(3).transpose(2, 3) for t in feature_maps], dim=2).reshape(bs, -1, c)
     hw = [(int(t.shape[3]), int(t.shape[4])) for t in feature_maps]
     shapes = torch.tensor([hw] * cams, dtype=torch.int64, device=feat.device)
     offsets = [0]

@@ -10,6 +10,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     auto nogil = py::call_guard<py::gil_scoped_release>();
     m.def("msda_forward", &loongkit::msda_forward, nogil);
     m.def("msda_backward", &loongkit::msda_backward, nogil);
+    m.def("msda_fused_forward", &loongkit::msda_fused_forward, nogil);
+    m.def("msda_fused_backward", &loongkit::msda_fused_backward, nogil);
     m.def("dice_stats_forward", &loongkit::dice_stats_forward, nogil);
     m.def("dice_stats_backward", &loongkit::dice_stats_backward, nogil);
     m.def("dice_class_stats_forward", &loongkit::dice_class_stats_forward, nogil);

@@ -18,6 +18,19 @@ void msda_backward(const at::Tensor& value, const at::Tensor& spatial_shapes, co
                    const at::Tensor& loc, const at::Tensor& attn, const at::Tensor& grad_out,
                    at::Tensor& grad_value, at::Tensor& grad_loc, at::Tensor& grad_attn);
 
+// Fused deformable attention (BEVFormer's TSA / MSDeformableAttention3D): out [NQ, Q, heads*C] = mean over
+// t < queue of sum over levels and points of softmax(logits)[...] * bilinear(value[n*queue + t], loc), loc =
+// ref[n*queue + t, q, per_level ? l : p % R] + offset / (W_l, H_l). value [NQ*queue, K, heads, C], ref
+// [NQ*queue, Q, R, 2] contiguous; proj [NQ, Q, heads*queue*L*P*3] = [offsets (x, y) | logits] per (head,
+// queue entry, level, point), unit stride in the last dim (any row strides).
+void msda_fused_forward(const at::Tensor& value, const at::Tensor& spatial_shapes, const at::Tensor& level_start,
+                        const at::Tensor& ref, const at::Tensor& proj, bool per_level, int64_t queue, at::Tensor& out);
+
+// grad_value (any contents on entry) and grad_proj (contiguous, proj's sizes) are fully written.
+void msda_fused_backward(const at::Tensor& value, const at::Tensor& spatial_shapes, const at::Tensor& level_start,
+                         const at::Tensor& ref, const at::Tensor& proj, bool per_level, int64_t queue,
+                         const at::Tensor& grad_out, at::Tensor& grad_value, at::Tensor& grad_proj);
+
 // Per-sample sums of mmseg 1.x DiceLoss: stats[n] = (sum p*t, sum p*p (or p if naive), sum t*t).
 void dice_stats_forward(const at::Tensor& logits, const at::Tensor& target, int64_t activation,
                         int64_t drop_class, bool naive, at::Tensor& stats);
