@@ -20,13 +20,6 @@ CASES = [(1, 3, 1, 1, 2, 2), (200, 5, 2, 3, 4, 5), (5000, 17, 1, 1, 30, 20), (30
          (3000, 80, 2, 2, 13, 11), (500, 3, 1, 1, 1, 1), (0, 4, 1, 1, 3, 3), (20000, 20, 1, 1, 360, 360)]
 
 
-@pytest.fixture(scope="module")
-def ext() -> Any:
-    module = kernels.load()
-    assert module is not None, kernels.failure()
-    return module
-
-
 def make(case: tuple, dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     n, c, b, z, x, y = case
     feats = torch.randn(n, c, generator=gen, dtype=dtype)

@@ -8,10 +8,7 @@ grid_sample's (every corner checked on its own).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -27,13 +24,6 @@ CASES = [
     (2, 5, 2, [[(4, 7), (2, 3)], [(3, 5), (1, 2)], [(6, 2), (3, 1)]], 12, 4),
     (1, 4, 4, [[(6, 3), (3, 2), (2, 2)], [(5, 5), (2, 4), (1, 1)]], 35, 5),  # bs*groups < threads: chunks split
 ]
-
-
-@pytest.fixture(scope="module")
-def ext() -> Any:
-    module = kernels.load()
-    assert module is not None, kernels.failure()
-    return module
 
 
 def layout(per_cam: list) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -208,11 +198,10 @@ def test_bad_shapes_are_rejected(ext: Any) -> None:
         ext.daf_forward(feat[:, :10].contiguous(), shapes, starts, loc, w, True, torch.empty(2, 5, 12))
 
 
-TRITON_SCRIPT = textwrap.dedent("""
-    import sys, torch
+TRITON_SCRIPT = """
     from loongkit_ops.kernels.triton import daf
     from loongkit_ops.kernels import reference
-    seed = int(sys.argv[1]); gen = torch.Generator().manual_seed(seed)
+    (seed,) = ARGS; gen = torch.Generator().manual_seed(seed)
     worst = 0.0
     for dtype, inside, (bs, a, p, per_cam, c, groups) in (
             (torch.float32, True, (2, 3, 2, [[(3, 4), (2, 2)], [(2, 5), (1, 3)]], 8, 2)),
@@ -231,15 +220,10 @@ TRITON_SCRIPT = textwrap.dedent("""
         for mine, theirs in ((out, ref), (gf, rf.grad), (gl, rl.grad), (gw, rw.grad)):
             err = ((mine.double() - theirs).abs() / (theirs.abs() + 1)).max().item()
             worst = max(worst, err / (1e-5 if dtype == torch.float32 else 1e-12))
-    print("WORST", worst)
-""")
+    save(worst)
+"""
 
 
-def test_triton_kernel_interpreted() -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, str(SEED)], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    worst = float(proc.stdout.split("WORST")[-1])
+def test_triton_kernel_interpreted(run_interpreted: Callable[..., Any]) -> None:
+    worst = run_interpreted(TRITON_SCRIPT, SEED, poison=False)
     assert worst < 1.0, f"seed {SEED}: error {worst} x tolerance"

@@ -12,13 +12,6 @@ from loongkit_ops.kernels import ops, reference
 SEED = int(torch.seed() % 2**31)
 
 
-@pytest.fixture(scope="module")
-def ext() -> Any:
-    module = kernels.load()
-    assert module is not None, kernels.failure()
-    return module
-
-
 def inputs(gen: torch.Generator, dtype: torch.dtype, n: int = 3, c: int = 6, s: int = 517) -> tuple:
     logits = torch.randn(n, c, s, generator=gen, dtype=dtype) * 3
     target = torch.randint(-2, c + 2, (n, s), generator=gen)  # negatives clamp to 0, >= c to c-1

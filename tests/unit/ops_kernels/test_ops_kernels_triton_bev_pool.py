@@ -9,37 +9,20 @@ kernel. Fresh random inputs every run; the seed is in every failure message.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-import pytest
 import torch
-from loongkit_ops import kernels
 from loongkit_ops.kernels import ops, reference
 
 SEED = int(torch.seed() % 2**31)
 # (points, channels, B, Z, X, Y): 130 channels span two channel blocks; a single point; an empty grid axis.
 CASES = [(40, 5, 2, 2, 3, 4), (1, 3, 1, 1, 2, 2), (24, 130, 1, 2, 2, 3), (30, 4, 3, 1, 1, 5), (6, 2, 1, 0, 2, 2)]
 
-POISON = textwrap.dedent("""
-    import torch
-    _empty, _empty_like, _new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
-    def _poison(t):
-        return t.fill_(float("nan") if t.is_floating_point() else (True if t.dtype == torch.bool else -7))
-    torch.empty = lambda *a, **k: _poison(_empty(*a, **k))
-    torch.empty_like = lambda *a, **k: _poison(_empty_like(*a, **k))
-    torch.Tensor.new_empty = lambda self, *a, **k: _poison(_new_empty(self, *a, **k))
-""")
-
-SCRIPT = POISON + textwrap.dedent("""
-    import sys
+SCRIPT = """
     from loongkit_ops.kernels import ops
     ops.bev_pool_backend = lambda t: ("triton", "")  # CPU tensors through the Triton branch
-    seed, path, cases = int(sys.argv[1]), sys.argv[2], eval(sys.argv[3])
+    seed, cases = ARGS
     gen = torch.Generator().manual_seed(seed)
     results = []
     for dtype in (torch.float32, torch.float64):
@@ -55,25 +38,12 @@ SCRIPT = POISON + textwrap.dedent("""
             out.backward(grad)
             results.append(dict(case=(n, c, b, z, x, y), feats=feats, coords=coords, grad=grad, out=out.detach(),
                                 grad_feats=f.grad))
-    torch.save(results, path)
-""")
+    save(results)
+"""
 
 
-@pytest.fixture(scope="module")
-def ext() -> Any:
-    module = kernels.load()
-    assert module is not None, kernels.failure()
-    return module
-
-
-def test_triton_kernel_interpreted(ext: Any, tmp_path: Path) -> None:
-    pytest.importorskip("triton")
-    path = tmp_path / "results.pt"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(SEED), str(path), repr(CASES)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"seed {SEED}: {proc.stderr[-3000:]}"
-    results = torch.load(path)
+def test_triton_kernel_interpreted(ext: Any, run_interpreted: Callable[..., Any]) -> None:
+    results = run_interpreted(SCRIPT, SEED, CASES)
     assert len(results) == 2 * len(CASES)
     for r in results:
         feats, coords, grad, out, grad_feats = r["feats"], r["coords"], r["grad"], r["out"], r["grad_feats"]

@@ -11,16 +11,11 @@ every failure message); the pixel count is not a multiple of the tile and C not 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from loongkit_ops import kernels
 from loongkit_ops.kernels import ops, reference
 
 SEED = int(torch.seed() % 2**31)
@@ -30,21 +25,10 @@ STATS = [(act, drop, naive) for act in (0, 1, 2) for drop, naive in ((-1, False)
                                                                      (25, True))]
 CLASS = [(ignore, e) for ignore, e in ((255, 2.0), (2, 1.0), (-1, 1.5), (255, 0.7))]
 
-POISON = textwrap.dedent("""
-    import torch
-    _empty, _empty_like, _new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
-    def _poison(t):
-        return t.fill_(float("nan") if t.is_floating_point() else (True if t.dtype == torch.bool else -7))
-    torch.empty = lambda *a, **k: _poison(_empty(*a, **k))
-    torch.empty_like = lambda *a, **k: _poison(_empty_like(*a, **k))
-    torch.Tensor.new_empty = lambda self, *a, **k: _poison(_new_empty(self, *a, **k))
-""")
-
-SCRIPT = POISON + textwrap.dedent("""
-    import sys
+SCRIPT = """
     from loongkit_ops.kernels import ops
     ops.dice_backend = lambda t: ("triton", "")  # CPU tensors through the Triton branch
-    seed, path, n, c, s, stats_cases, class_cases = (int(sys.argv[1]), sys.argv[2], *map(eval, sys.argv[3:]))
+    seed, n, c, s, stats_cases, class_cases = ARGS
     gen = torch.Generator().manual_seed(seed)
     results = []
     for dtype in (torch.float32, torch.float64):
@@ -65,30 +49,17 @@ SCRIPT = POISON + textwrap.dedent("""
             out.backward(g)
             results.append(dict(kind="class", args=(ignore, e), logits=logits, target=target, grad=g,
                                 out=out.detach(), grad_logits=x.grad))
-    torch.save(results, path)
-""")
+    save(results)
+"""
 
 
-@pytest.fixture(scope="module")
-def ext() -> Any:
-    module = kernels.load()
-    assert module is not None, kernels.failure()
-    return module
-
-
-def test_triton_kernel_interpreted(ext: Any, tmp_path: Path) -> None:
+def test_triton_kernel_interpreted(ext: Any, run_interpreted: Callable[..., Any]) -> None:
     pytest.importorskip("triton")
     from loongkit_ops.kernels.triton import dice
 
     # Several pixel tiles per sample, so the partial sums are really reduced.
     assert all(dice._blocks(C, S, dtype)[1] < S for dtype in (torch.float32, torch.float64))
-    path = tmp_path / "results.pt"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    args = [str(SEED), str(path), str(N), str(C), str(S), repr(STATS), repr(CLASS)]
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, *args], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, f"seed {SEED}: {proc.stderr[-3000:]}"
-    results = torch.load(path)
+    results = run_interpreted(SCRIPT, SEED, N, C, S, STATS, CLASS)
     assert len(results) == 2 * (len(STATS) + len(CLASS))
     for r in results:
         logits, target, grad, out, grad_logits = r["logits"], r["target"], r["grad"], r["out"], r["grad_logits"]

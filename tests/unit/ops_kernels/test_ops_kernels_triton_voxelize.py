@@ -11,16 +11,11 @@ bound (outside), NaN coordinates and far outliers.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from loongkit_ops import kernels
 from loongkit_ops.kernels import ops, reference
 
 SEED = int(torch.seed() % 2**31)
@@ -29,21 +24,10 @@ GRIDS = [([0.2, 0.25, 0.5], [-4.0, -5.0, -1.0, 4.0, 5.0, 2.0]), ([0.3, 0.7, 3.0]
 # (points, max_points, max_voxels): no cap, both caps, one point per voxel, empty cloud, no slot, no voxel.
 CASES = [(300, 4, 10000), (300, 2, 25), (200, 1, 7), (0, 3, 5), (60, 0, 20), (60, 3, 0)]
 
-POISON = textwrap.dedent("""
-    import torch
-    _empty, _empty_like, _new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
-    def _poison(t):
-        return t.fill_(float("nan") if t.is_floating_point() else (True if t.dtype == torch.bool else -7))
-    torch.empty = lambda *a, **k: _poison(_empty(*a, **k))
-    torch.empty_like = lambda *a, **k: _poison(_empty_like(*a, **k))
-    torch.Tensor.new_empty = lambda self, *a, **k: _poison(_new_empty(self, *a, **k))
-""")
-
-SCRIPT = POISON + textwrap.dedent("""
-    import sys
+SCRIPT = """
     from loongkit_ops.kernels import ops
     ops.voxelize_backend = lambda t: ("triton", "")  # CPU tensors through the Triton branch
-    seed, path, grids, cases = int(sys.argv[1]), sys.argv[2], eval(sys.argv[3]), eval(sys.argv[4])
+    seed, grids, cases = ARGS
     gen = torch.Generator().manual_seed(seed)
     results = []
     for dtype in (torch.float32, torch.float64, torch.float16):
@@ -61,15 +45,8 @@ SCRIPT = POISON + textwrap.dedent("""
                 hard = ops.hard_voxelize_op(pts, size, rng, max_points, max_voxels)
                 dyn = ops.dynamic_voxelize_op(pts, size, rng)
                 results.append(dict(grid=gi, case=(n, max_points, max_voxels), points=pts, hard=hard, dynamic=dyn))
-    torch.save(results, path)
-""")
-
-
-@pytest.fixture(scope="module")
-def ext() -> Any:
-    module = kernels.load()
-    assert module is not None, kernels.failure()
-    return module
+    save(results)
+"""
 
 
 def assert_same(got: tuple, expected: tuple, msg: str) -> None:
@@ -78,14 +55,9 @@ def assert_same(got: tuple, expected: tuple, msg: str) -> None:
         assert torch.equal(g, e), f"{name} {msg}: differs at {(g != e).nonzero()[:5].tolist()}"
 
 
-def test_triton_kernel_interpreted(ext: Any, tmp_path: Path) -> None:
+def test_triton_kernel_interpreted(ext: Any, run_interpreted: Callable[..., Any]) -> None:
     pytest.importorskip("triton")
-    path = tmp_path / "results.pt"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(SEED), str(path), repr(GRIDS), repr(CASES)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"seed {SEED}: {proc.stderr[-3000:]}"
-    results = torch.load(path)
+    results = run_interpreted(SCRIPT, SEED, GRIDS, CASES)
     assert len(results) == 3 * len(GRIDS) * len(CASES)
     capped = 0
     for r in results:

@@ -14,13 +14,6 @@ SEED = int(torch.seed() % 2**31)
 GRID = ([0.2, 0.25, 0.5], [-4.0, -5.0, -1.0, 4.0, 5.0, 2.0])
 
 
-@pytest.fixture(scope="module")
-def ext() -> Any:
-    module = kernels.load()
-    assert module is not None, kernels.failure()
-    return module
-
-
 def cloud(gen: torch.Generator, n: int, dtype: torch.dtype = torch.float32, features: int = 4) -> torch.Tensor:
     pts = torch.randn(n, features, generator=gen) * torch.tensor([2.5, 3.0, 1.0] + [1.0] * (features - 3))
     pts[::17, :3] = pts[::17, :3].round()  # on voxel edges
