@@ -55,13 +55,26 @@ def check(fn: Callable[..., torch.Tensor], ref: Callable[..., torch.Tensor], inp
                                    msg=lambda m, i=i: f"{msg}: grad of input {i}: {m}")
 
 
+def in_cell(gen: torch.Generator, shape: tuple[int, ...], size: torch.Tensor, base: float = 0.2) -> torch.Tensor:
+    """Normalised locations whose pixel coordinate u*S - 0.5 lies base..1-base into a random cell of
+    [-3, S+1) (some off the map, some on its border), for sizes S broadcast over ``shape``.
+
+    Rounded to fp16/bf16, such a location stays in its cell, where the location gradient (the slope
+    of the bilinear interpolation, which jumps at cell borders) is the reference's; a uniformly random
+    location would sometimes cross a border and fail for a reason that is not a kernel error.
+    """
+    cell = (torch.rand(shape, generator=gen, dtype=torch.float64) * (size + 4)).floor() - 3
+    frac = base + (1 - 2 * base) * torch.rand(shape, generator=gen, dtype=torch.float64)
+    return ((cell + frac + 0.5) / size).float()
+
+
 @pytest.mark.parametrize(("device", "dtype"), cases())
 def test_ms_deform_attn(device: str, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(SEED)
     shapes = torch.tensor([[6, 7], [3, 4]])
     starts = torch.tensor([0, 42])
     value = torch.randn(2, 54, 2, 8, generator=gen)
-    loc = torch.rand(2, 5, 2, 2, 3, 2, generator=gen) * 1.2 - 0.1  # some samples off the map
+    loc = in_cell(gen, (2, 5, 2, 2, 3, 2), shapes.flip(1).double()[:, None, :])  # [.., levels, points, (x, y)]
     attn = torch.rand(2, 5, 2, 2, 3, generator=gen)
     assert ops.msda_backend(value.to(device=device, dtype=dtype))[0] == expected_backend(device)
 
@@ -75,12 +88,50 @@ def test_ms_deform_attn(device: str, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize(("device", "dtype"), cases())
+@pytest.mark.parametrize(("per_level", "queue"), [(True, 2), (False, 1)])
+def test_ms_deform_attn_fused(device: str, dtype: torch.dtype, per_level: bool, queue: int) -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    shapes = torch.tensor([[6, 7], [3, 4]])
+    starts = torch.tensor([0, 42])
+    nq, q, heads, c, levels, points = 2, 5, 2, 8, 2, 4
+    value = torch.randn(nq * queue, 54, heads, c, generator=gen)
+    # TSA-like: one reference point per level; MSDA3D-like: 2 anchors, point p on anchor p % 2.
+    ref_points = torch.rand(nq * queue, q, 2, 2, generator=gen) * 1.2 - 0.1
+    # Offsets that put each sample 0.2..0.8 into a random pixel cell of [-3, S+1) (some off the map, some
+    # on its border): a location rounded to fp16/bf16 then stays in its cell, where the offsets' gradient
+    # (the slope of the bilinear interpolation, which jumps at cell borders) matches the reference's.
+    wh = shapes.flip(1).double()[:, None, :]  # (W, H) per level, [levels, 1, 2]
+    size = (nq, q, heads, queue, levels, points, 2)
+    pixel = (torch.rand(size, generator=gen, dtype=torch.float64) * (wh + 4)).floor() - 3
+    pixel += 0.2 + 0.6 * torch.rand(size, generator=gen, dtype=torch.float64)
+    by_query = ref_points.double().reshape(nq, queue, q, 2, 2).transpose(1, 2)  # [nq, q, queue, R, 2]
+    anchor = by_query[:, :, :, :, None] if per_level else by_query[:, :, :, None, torch.arange(points) % 2]
+    offsets = pixel + 0.5 - anchor[:, :, None] * wh  # pixel = (ref + offset / (W, H)) * (W, H) - 0.5
+    logits = torch.randn(nq, q, heads * queue * levels * points, generator=gen, dtype=torch.float64)
+    proj = torch.cat([offsets.reshape(nq, q, -1), logits], -1).float()
+    assert ops.msda_backend(value.to(device=device, dtype=dtype))[0] == expected_backend(device)
+
+    def ours(v: torch.Tensor, r: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        return ops.ms_deform_attn_fused_op(v, shapes.to(device), starts.to(device), r, p, per_level, queue)
+
+    def ref(v: torch.Tensor, r: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        return reference.ms_deform_attn_fused(v, shapes, starts, r, p, per_level, queue)
+
+    check(ours, ref, [value, ref_points, proj], device, dtype, gen)
+
+
+@pytest.mark.parametrize(("device", "dtype"), cases())
 def test_deformable_aggregation(device: str, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(SEED)
     shapes = torch.tensor([[[6, 8], [3, 4]], [[6, 8], [3, 4]]])  # 2 cameras x 2 levels
     starts = torch.tensor([[0, 48], [60, 108]])
     feat = torch.randn(1, 120, 16, generator=gen)
-    loc = torch.rand(1, 7, 3, 2, 2, generator=gen) * 1.2 - 0.1  # [bs, anchors, pts, cams, 2]
+    # [bs, anchors, pts, cams, 2]. One location serves both levels (W 8 and 4, H 6 and 3): in cells of
+    # the coarse level at 0.02..0.13 past a row/column, which is 0.52..0.63 into its cell and
+    # 0.54..0.76 into a cell of the fine level; some off the map (the inside-only rule drops them).
+    coarse = torch.tensor([4.0, 3.0], dtype=torch.float64)
+    cell = (torch.rand(1, 7, 3, 2, 2, generator=gen, dtype=torch.float64) * (coarse + 2)).floor() - 1
+    loc = ((cell + 0.02 + 0.11 * torch.rand(1, 7, 3, 2, 2, generator=gen, dtype=torch.float64)) / coarse).float()
     w = torch.rand(1, 7, 3, 2, 2, 4, generator=gen)  # 4 groups
     assert ops.daf_backend(feat.to(device=device, dtype=dtype))[0] == expected_backend(device)
 

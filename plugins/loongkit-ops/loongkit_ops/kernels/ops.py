@@ -151,19 +151,34 @@ def multi_scale_deformable_attn(value: Tensor, spatial_shapes: Tensor, level_sta
 
 # BEVFormer's TemporalSelfAttention / MSDeformableAttention3D: softmax, locations and the mean over the
 # [previous, current] BEV queue inside the kernel (see reference.ms_deform_attn_fused for the maths).
+# Backends as for ms_deform_attn: the C++ kernel on CPU, kernels/triton/msda_fused.py on CUDA tensors,
+# the reference otherwise.
+
+
+def _msda_fused_backend(value: Tensor) -> str:
+    """msda_backend's choice, with 'reference' should the fused Triton module alone fail to import."""
+    backend = msda_backend(value)[0]
+    return "reference" if backend == "triton" and _triton("msda_fused") is None else backend
 
 
 @torch.library.custom_op("loongkit::ms_deform_attn_fused", mutates_args=())
 def ms_deform_attn_fused_op(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor,
                             reference_points: Tensor, projection: Tensor, per_level: bool, queue: int) -> Tensor:
     """[NQ, Q, heads*C] from value [NQ*queue, K, heads, C], reference_points [NQ*queue, Q, R, 2] and the
-    query projections' output [NQ, Q, heads*queue*L*P*3] = [sampling offsets | attention logits]."""
-    if msda_backend(value)[0] != "cpu":  # no Triton kernel: the fused modules only call it on CPU
+    query projections' output [NQ, Q, heads*queue*L*P*3] = [sampling offsets | attention logits].
+
+    CPU (C++ kernel) and CUDA (Triton kernel) alike; the fused module forwards of patches/bevformer.py
+    still call it on CPU tensors only (on CUDA the modules run their original forward)."""
+    backend = _msda_fused_backend(value)
+    if backend == "reference":
         return reference.ms_deform_attn_fused(value, spatial_shapes, level_start_index, reference_points, projection,
                                               per_level, queue)
     shapes, starts = _index_args(spatial_shapes, level_start_index, value.device)
     value = value.contiguous()
     proj = projection if projection.stride(-1) == 1 else projection.contiguous()  # rows may be strided
+    if backend == "triton":
+        return _triton("msda_fused").forward(value, shapes, starts, reference_points.contiguous(), proj, per_level,
+                                             queue)
     out = value.new_empty(value.shape[0] // queue, proj.shape[1], value.shape[2] * value.shape[3])
     kernels.load().msda_fused_forward(value, shapes, starts, reference_points.contiguous(), proj, per_level, queue,
                                       out)
@@ -182,7 +197,8 @@ def ms_deform_attn_fused_backward_op(grad_output: Tensor, value: Tensor, spatial
                                      level_start_index: Tensor, reference_points: Tensor, projection: Tensor,
                                      per_level: bool, queue: int) -> tuple[Tensor, Tensor]:
     """(grad_value, grad_projection), both contiguous."""
-    if msda_backend(value)[0] != "cpu":
+    backend = _msda_fused_backend(value)
+    if backend == "reference":
         _, vjp = torch.func.vjp(
             lambda v, p: reference.ms_deform_attn_fused(v, spatial_shapes, level_start_index, reference_points, p,
                                                         per_level, queue), value, projection)
@@ -190,6 +206,9 @@ def ms_deform_attn_fused_backward_op(grad_output: Tensor, value: Tensor, spatial
     shapes, starts = _index_args(spatial_shapes, level_start_index, value.device)
     value = value.contiguous()
     proj = projection if projection.stride(-1) == 1 else projection.contiguous()
+    if backend == "triton":
+        return _triton("msda_fused").backward(grad_output.contiguous(), value, shapes, starts,
+                                              reference_points.contiguous(), proj, per_level, queue)
     grad_value = torch.empty_like(value)  # the kernel writes all of it
     grad_proj = proj.new_empty(proj.shape)
     kernels.load().msda_fused_backward(value, shapes, starts, reference_points.contiguous(), proj, per_level, queue,

@@ -1,4 +1,4 @@
-"""The bilinear sampling steps shared by the Triton MSDA and deformable-aggregation kernels.
+"""The bilinear sampling steps shared by the Triton MSDA (plain and fused) and deformable-aggregation kernels.
 
 The same rules as ``cpu/bilinear.h``: pixel coordinate u*S - 0.5 (align_corners=False), a sample
 with its coordinate outside (-2, S+1) reads nothing (and never forms an address), corners outside
@@ -18,6 +18,12 @@ def sample_setup(loc, s, shapes, starts, kl, INSIDE: tl.constexpr, ACC: tl.const
     INSIDE adds the Sparse4D CUDA kernel's rule: x and y strictly inside (0, 1)."""
     x = tl.load(loc + 2 * s).to(ACC)
     y = tl.load(loc + 2 * s + 1).to(ACC)
+    return sample_xy(x, y, shapes, starts, kl, INSIDE, ACC)
+
+
+@triton.jit
+def sample_xy(x, y, shapes, starts, kl, INSIDE: tl.constexpr, ACC: tl.constexpr):
+    """sample_setup for a location given as values x, y (already ACC): kernels that compute it."""
     Hl = tl.load(shapes + 2 * kl)
     Wl = tl.load(shapes + 2 * kl + 1)
     st = tl.load(starts + kl)
