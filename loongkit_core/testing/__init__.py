@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -81,9 +82,27 @@ def run_snippet(code: str, env: Mapping[str, str] | None = None, *, tmp: Path, p
         full["PYTHONPATH"] = os.pathsep.join(parts)
     command = list(argv) if argv is not None else [sys.executable, "-c", code]
     proc = subprocess.run(command, env=full, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    extra: dict[str, Any] = {}
+    for _ in range(2):
+        if not _torchrun_exit_race(command, proc):
+            break
+        extra.setdefault("retried", []).append(proc.stderr)  # kept, so a test can tell
+        summary_path.unlink(missing_ok=True)
+        shutil.rmtree(logdir, ignore_errors=True)  # the retry's logs alone, as if it were the only run
+        proc = subprocess.run(command, env=full, capture_output=True, text=True, timeout=timeout, cwd=cwd)
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     return RunResult(proc.returncode, proc.stdout, proc.stderr, summary, logdir,
-                     proc.stdout.count("Loongkit Feature Summary"), summary_path)
+                     proc.stdout.count("Loongkit Feature Summary"), summary_path, extra)
+
+
+def _torchrun_exit_race(command: Sequence[str], proc: subprocess.CompletedProcess[str]) -> bool:
+    """A torchrun whose rank died at interpreter exit with torch's own "terminate called without an
+    active exception" (a C++ thread destroyed while joinable). Reproduced with torch 2.13 CPU and two
+    gloo ranks on a loaded 2-core machine without loongkit at all (bare script, no prelude: 3 in 10
+    runs after destroy_process_group printed), so it is retried (twice at most) rather than failing the
+    test."""
+    return (proc.returncode != 0 and os.path.basename(command[0]) == "torchrun"
+            and "terminate called without an active exception" in proc.stderr)
 
 
 @pytest.fixture
