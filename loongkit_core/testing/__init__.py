@@ -95,6 +95,10 @@ def run_snippet(code: str, env: Mapping[str, str] | None = None, *, tmp: Path, p
                      proc.stdout.count("Loongkit Feature Summary"), summary_path, extra)
 
 
+# torch's own abort at interpreter exit of a gloo rank (see _torchrun_exit_race).
+TORCH_EXIT_RACE = "terminate called without an active exception"
+
+
 def _torchrun_exit_race(command: Sequence[str], proc: subprocess.CompletedProcess[str]) -> bool:
     """A torchrun whose rank died at interpreter exit with torch's own "terminate called without an
     active exception" (a C++ thread destroyed while joinable). Reproduced with torch 2.13 CPU and two
@@ -102,7 +106,7 @@ def _torchrun_exit_race(command: Sequence[str], proc: subprocess.CompletedProces
     runs after destroy_process_group printed), so it is retried (twice at most) rather than failing the
     test."""
     return (proc.returncode != 0 and os.path.basename(command[0]) == "torchrun"
-            and "terminate called without an active exception" in proc.stderr)
+            and TORCH_EXIT_RACE in proc.stderr)
 
 
 @pytest.fixture
