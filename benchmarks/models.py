@@ -42,15 +42,29 @@ from typing import Any
 
 import torch
 
-UNIT = Path(__file__).parents[1] / "tests" / "unit" / "ops_models"
+TESTS = Path(__file__).parents[1] / "tests"
+UNIT = TESTS / "unit" / "ops_models"
 
 
-def _load(name: str) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(f"lk_bench_{name}", UNIT / f"{name}.py")
+def _load(name: str, folder: Path = UNIT) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(f"lk_bench_{name}", folder / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _vendored(project_file: str, package: str, target: str) -> tuple[types.ModuleType, types.ModuleType]:
+    """(the test-project module, the vendored package it writes and imports) registered at ``target``."""
+    import tempfile
+
+    project = _load(project_file, TESTS / "integration" / "ops_kernels")
+    with tempfile.TemporaryDirectory() as root:
+        sys.path.insert(0, root)
+        try:
+            return project, importlib.import_module(project.write_project(Path(root), package, project.source(target)))
+        finally:
+            sys.path.remove(root)
 
 
 def median_time(fn: Callable[[], Any], reps: int) -> float:
@@ -185,21 +199,7 @@ def _boxes(tensor: torch.Tensor) -> _Boxes:
 
 def bevfusion_camera_to_bev(quick: bool, target: str, reps: int, rounds: int) -> None:
     """BEVFusion's camera-to-BEV block: the vendored project registered in the Registry double at ``target``."""
-    import importlib
-    import tempfile
-
-    path = Path(__file__).parents[1] / "tests" / "integration" / "ops_kernels" / "upstream_bevfusion_project.py"
-    spec = importlib.util.spec_from_file_location("lk_bench_bevfusion_project", path)
-    assert spec is not None and spec.loader is not None
-    project = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(project)
-    with tempfile.TemporaryDirectory() as root:
-        sys.path.insert(0, root)
-        try:
-            name = project.write_project(Path(root), "lk_bench_bevfusion", project.source(target))
-            vt = importlib.import_module(name)
-        finally:
-            sys.path.remove(root)
+    project, vt = _vendored("upstream_bevfusion_project", "lk_bench_bevfusion", target)
     feature, dbound = ((16, 44), (1.0, 60.0, 1.0)) if quick else ((32, 88), (1.0, 60.0, 0.5))
     lss = vt.LSSTransform(256, 80, (256, 704), feature, (-54.0, 54.0, 0.3), (-54.0, 54.0, 0.3), (-10.0, 10.0, 20.0),
                           dbound)
@@ -218,22 +218,9 @@ def bevfusion_camera_to_bev(quick: bool, target: str, reps: int, rounds: int) ->
 
 def sparse4d_daf_block(quick: bool, target: str, reps: int, rounds: int) -> None:
     """Sparse4D's DeformableFeatureAggregation: the vendored project registered in the Registry double at ``target``."""
-    import importlib
-    import tempfile
     import warnings
 
-    path = Path(__file__).parents[1] / "tests" / "integration" / "ops_kernels" / "upstream_sparse4d_project.py"
-    spec = importlib.util.spec_from_file_location("lk_bench_sparse4d_project", path)
-    assert spec is not None and spec.loader is not None
-    project = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(project)
-    with tempfile.TemporaryDirectory() as root:
-        sys.path.insert(0, root)
-        try:
-            blocks = importlib.import_module(project.write_project(Path(root), "lk_bench_sparse4d",
-                                                                   project.source(target)))
-        finally:
-            sys.path.remove(root)
+    project, blocks = _vendored("upstream_sparse4d_project", "lk_bench_sparse4d", target)
     levels = [(32, 88), (16, 44), (8, 22), (4, 11)] if quick else project.LEVELS
     gen = torch.Generator().manual_seed(0)
     dfa = project.build(blocks, torch.float32, gen)

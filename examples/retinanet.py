@@ -1,4 +1,5 @@
-"""The RetinaNet both detection examples train: one config dict, valid in mmdet 2.x and 3.x.
+"""The RetinaNet both detection examples train: one config dict, valid in mmdet 2.x and 3.x, and
+the command line both take.
 
 ResNet (no pretrained weights) + FPN + a narrower RetinaHead (128 channels instead of the paper's
 256: a CPU-sized head). mmdet 3.x adds its data preprocessor and an explicit sampler (see
@@ -7,6 +8,7 @@ ResNet (no pretrained weights) + FPN + a narrower RetinaHead (128 channels inste
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 
@@ -36,3 +38,18 @@ def retinanet(depth: int, num_classes: int, channels: int = 128, **extra: Any) -
         test_cfg=dict(nms_pre=1000, min_bbox_size=0, score_thr=0.05, nms=dict(type="nms", iou_threshold=0.5),
                       max_per_img=100),
     )
+
+
+def arguments(description: str, argv: list[str] | None = None) -> argparse.Namespace:
+    """The detection examples' command line (same flags for mmdet 2.x and 3.x)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--iters", type=int, default=40)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--images", type=int, default=48, help="synthetic images to generate")
+    parser.add_argument("--scale", type=int, default=320, help="Resize target (longer side bound)")
+    parser.add_argument("--depth", type=int, default=18, choices=(18, 34, 50), help="ResNet depth")
+    parser.add_argument("--lr", type=float, default=0.005)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--work-dir", default=None, help="work dir (default: a temporary one)")
+    return parser.parse_args(argv)

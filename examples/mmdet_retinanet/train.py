@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: the shared data generator and model
-from retinanet import retinanet
+from retinanet import arguments, retinanet
 from synthetic_coco import CLASSES, make_dataset
 
 
@@ -78,17 +78,7 @@ def _cuda() -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=40)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--images", type=int, default=48, help="synthetic images to generate")
-    parser.add_argument("--scale", type=int, default=320, help="Resize target (longer side bound)")
-    parser.add_argument("--depth", type=int, default=18, choices=(18, 34, 50), help="ResNet depth")
-    parser.add_argument("--lr", type=float, default=0.005)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--work-dir", default=None, help="mmengine work dir (default: a temporary one)")
-    args = parser.parse_args(argv)
+    args = arguments(__doc__.splitlines()[0], argv)
 
     if _cuda():
         from mmcv.ops import get_compiling_cuda_version
