@@ -50,3 +50,30 @@ def corner(vbase, st, hh, ww, Hl, Wl, inr, cs, C, rowstride, ACC: tl.constexpr):
     mask = cs < tl.where(valid, C, 0)
     v = tl.load(vbase + off + cs, mask=mask, other=0.0).to(ACC)
     return v, mask, off
+
+
+@triton.jit
+def corners(vbase, st, h0, w0, Hl, Wl, inr, cs, C, rowstride, ACC: tl.constexpr):
+    """The four corners of cell (h0, w0): values, then lane masks, then offsets (each 00, 01, 10, 11)."""
+    v00, m00, o00 = corner(vbase, st, h0, w0, Hl, Wl, inr, cs, C, rowstride, ACC)
+    v01, m01, o01 = corner(vbase, st, h0, w0 + 1, Hl, Wl, inr, cs, C, rowstride, ACC)
+    v10, m10, o10 = corner(vbase, st, h0 + 1, w0, Hl, Wl, inr, cs, C, rowstride, ACC)
+    v11, m11, o11 = corner(vbase, st, h0 + 1, w0 + 1, Hl, Wl, inr, cs, C, rowstride, ACC)
+    return v00, v01, v10, v11, m00, m01, m10, m11, o00, o01, o10, o11
+
+
+@triton.jit
+def interpolate(v00, v01, v10, v11, lh, lw):
+    """Bilinear blend of four corners at fractions (lh, lw) of the cell."""
+    return (1 - lh) * ((1 - lw) * v00 + lw * v01) + lh * ((1 - lw) * v10 + lw * v11)
+
+
+@triton.jit
+def scatter(gbase, cs, g, lh, lw, m00, m01, m10, m11, o00, o01, o10, o11):
+    """Add g, split over the four corners by their bilinear weights (the value gradient)."""
+    hh = 1 - lh
+    hw = 1 - lw
+    tl.atomic_add(gbase + o00 + cs, hh * hw * g, mask=m00)
+    tl.atomic_add(gbase + o01 + cs, hh * lw * g, mask=m01)
+    tl.atomic_add(gbase + o10 + cs, lh * hw * g, mask=m10)
+    tl.atomic_add(gbase + o11 + cs, lh * lw * g, mask=m11)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from loongkit_ops.kernels.triton.bilinear import corner, sample_setup
+from loongkit_ops.kernels.triton.bilinear import corners, interpolate, sample_setup, scatter
 
 
 @triton.jit
@@ -33,12 +33,9 @@ def _daf_fwd(feat, shapes, starts, loc, wts, out, NF, A, PK, K, C, GD,
         for lv in tl.static_range(L):
             kl = k * L + lv
             inr, Hl, Wl, st, lh, lw, h0, w0 = sample_setup(loc, s, shapes, starts, kl, INSIDE, ACC)
-            v00, _, _ = corner(fbase, st, h0, w0, Hl, Wl, inr, cs, C, C, ACC)
-            v01, _, _ = corner(fbase, st, h0, w0 + 1, Hl, Wl, inr, cs, C, C, ACC)
-            v10, _, _ = corner(fbase, st, h0 + 1, w0, Hl, Wl, inr, cs, C, C, ACC)
-            v11, _, _ = corner(fbase, st, h0 + 1, w0 + 1, Hl, Wl, inr, cs, C, C, ACC)
+            v00, v01, v10, v11, _, _, _, _, _, _, _, _ = corners(fbase, st, h0, w0, Hl, Wl, inr, cs, C, C, ACC)
             wv = tl.load(wts + (s * L + lv) * G + grp, mask=cmask, other=0.0).to(ACC)
-            sample = (1 - lh) * ((1 - lw) * v00 + lw * v01) + lh * ((1 - lw) * v10 + lw * v11)
+            sample = interpolate(v00, v01, v10, v11, lh, lw)
             acc += wv * sample
     tl.store(out + i * C + cs, acc.to(out.dtype.element_ty), mask=cmask)
 
@@ -65,13 +62,11 @@ def _daf_bwd(feat, shapes, starts, loc, wts, gout, gfeat, gloc, gw, NF, A, PK, K
             inr, Hl, Wl, st, lh, lw, h0, w0 = sample_setup(loc, s, shapes, starts, kl, INSIDE, ACC)
             hh = 1 - lh
             hw = 1 - lw
-            v00, m00, o00 = corner(fbase, st, h0, w0, Hl, Wl, inr, cs, C, C, ACC)
-            v01, m01, o01 = corner(fbase, st, h0, w0 + 1, Hl, Wl, inr, cs, C, C, ACC)
-            v10, m10, o10 = corner(fbase, st, h0 + 1, w0, Hl, Wl, inr, cs, C, C, ACC)
-            v11, m11, o11 = corner(fbase, st, h0 + 1, w0 + 1, Hl, Wl, inr, cs, C, C, ACC)
+            v00, v01, v10, v11, m00, m01, m10, m11, o00, o01, o10, o11 = corners(
+                fbase, st, h0, w0, Hl, Wl, inr, cs, C, C, ACC)
             wv = tl.load(wts + (s * L + lv) * G + grp, mask=cmask, other=0.0).to(ACC)
             gwv = g * wv
-            sample = hh * (hw * v00 + lw * v01) + lh * (hw * v10 + lw * v11)
+            sample = interpolate(v00, v01, v10, v11, lh, lw)
             contrib = g * sample
             for gi in tl.static_range(G):
                 part = tl.sum(tl.where(grp == gi, contrib, 0.0), axis=0)
@@ -80,10 +75,7 @@ def _daf_bwd(feat, shapes, starts, loc, wts, gout, gfeat, gloc, gw, NF, A, PK, K
             dh = tl.sum(gwv * (hw * (v10 - v00) + lw * (v11 - v01)), axis=0)
             dx += tl.where(inr, Wl.to(ACC) * dw, zero)
             dy += tl.where(inr, Hl.to(ACC) * dh, zero)
-            tl.atomic_add(gbase + o00 + cs, hh * hw * gwv, mask=m00)
-            tl.atomic_add(gbase + o01 + cs, hh * lw * gwv, mask=m01)
-            tl.atomic_add(gbase + o10 + cs, lh * hw * gwv, mask=m10)
-            tl.atomic_add(gbase + o11 + cs, lh * lw * gwv, mask=m11)
+            scatter(gbase, cs, gwv, lh, lw, m00, m01, m10, m11, o00, o01, o10, o11)
         tl.store(gloc + 2 * s, dx.to(gloc.dtype.element_ty))
         tl.store(gloc + 2 * s + 1, dy.to(gloc.dtype.element_ty))
 

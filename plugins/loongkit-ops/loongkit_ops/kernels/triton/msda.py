@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from loongkit_ops.kernels.triton.bilinear import corner, sample_setup
+from loongkit_ops.kernels.triton.bilinear import corners, interpolate, sample_setup, scatter
 
 
 @triton.jit
@@ -33,11 +33,8 @@ def _msda_fwd(value, shapes, starts, loc, attn, out, K, Lq, H, C,
             j = i * L * P + lv * P + p
             a = tl.load(attn + j).to(ACC)
             inr, Hl, Wl, st, lh, lw, h0, w0 = sample_setup(loc, j, shapes, starts, lv, False, ACC)
-            v00, _, _ = corner(vbase, st, h0, w0, Hl, Wl, inr, cs, C, rowstride, ACC)
-            v01, _, _ = corner(vbase, st, h0, w0 + 1, Hl, Wl, inr, cs, C, rowstride, ACC)
-            v10, _, _ = corner(vbase, st, h0 + 1, w0, Hl, Wl, inr, cs, C, rowstride, ACC)
-            v11, _, _ = corner(vbase, st, h0 + 1, w0 + 1, Hl, Wl, inr, cs, C, rowstride, ACC)
-            sample = (1 - lh) * ((1 - lw) * v00 + lw * v01) + lh * ((1 - lw) * v10 + lw * v11)
+            v00, v01, v10, v11, _, _, _, _, _, _, _, _ = corners(vbase, st, h0, w0, Hl, Wl, inr, cs, C, rowstride, ACC)
+            sample = interpolate(v00, v01, v10, v11, lh, lw)
             acc += a * sample
     tl.store(out + i * C + cs, acc.to(out.dtype.element_ty), mask=cmask)
 
@@ -61,10 +58,8 @@ def _msda_bwd(value, shapes, starts, loc, attn, gout, gvalue, gloc, gattn, K, Lq
             inr, Hl, Wl, st, lh, lw, h0, w0 = sample_setup(loc, j, shapes, starts, lv, False, ACC)
             hh = 1 - lh
             hw = 1 - lw
-            v00, m00, o00 = corner(vbase, st, h0, w0, Hl, Wl, inr, cs, C, rowstride, ACC)
-            v01, m01, o01 = corner(vbase, st, h0, w0 + 1, Hl, Wl, inr, cs, C, rowstride, ACC)
-            v10, m10, o10 = corner(vbase, st, h0 + 1, w0, Hl, Wl, inr, cs, C, rowstride, ACC)
-            v11, m11, o11 = corner(vbase, st, h0 + 1, w0 + 1, Hl, Wl, inr, cs, C, rowstride, ACC)
+            v00, v01, v10, v11, m00, m01, m10, m11, o00, o01, o10, o11 = corners(
+                vbase, st, h0, w0, Hl, Wl, inr, cs, C, rowstride, ACC)
             d00 = tl.sum(g * v00, axis=0)
             d01 = tl.sum(g * v01, axis=0)
             d10 = tl.sum(g * v10, axis=0)
@@ -76,10 +71,7 @@ def _msda_bwd(value, shapes, starts, loc, attn, gout, gvalue, gloc, gattn, K, Lq
             tl.store(gattn + j, tl.where(inr, ga, zero).to(gattn.dtype.element_ty))
             tl.store(gloc + 2 * j, tl.where(inr, a * Wl.to(ACC) * dw, zero).to(gloc.dtype.element_ty))
             tl.store(gloc + 2 * j + 1, tl.where(inr, a * Hl.to(ACC) * dh, zero).to(gloc.dtype.element_ty))
-            tl.atomic_add(gbase + o00 + cs, a * hh * hw * g, mask=m00)
-            tl.atomic_add(gbase + o01 + cs, a * hh * lw * g, mask=m01)
-            tl.atomic_add(gbase + o10 + cs, a * lh * hw * g, mask=m10)
-            tl.atomic_add(gbase + o11 + cs, a * lh * lw * g, mask=m11)
+            scatter(gbase, cs, a * g, lh, lw, m00, m01, m10, m11, o00, o01, o10, o11)
 
 
 def _acc(dtype: torch.dtype) -> tuple[tl.dtype, torch.dtype]:

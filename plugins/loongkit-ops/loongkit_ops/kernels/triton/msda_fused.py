@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from loongkit_ops.kernels.triton.bilinear import corner, sample_xy
+from loongkit_ops.kernels.triton.bilinear import corners, interpolate, sample_xy, scatter
 
 
 @triton.jit
@@ -72,11 +72,9 @@ def _fused_fwd(value, shapes, starts, ref, proj, out, K, Q, H, C, R, ps0, ps1, N
             for p in tl.static_range(P):
                 a = tl.exp(tl.load(lg + lv * P + p).to(ACC) - m) / s
                 inr, Hl, Wl, st, lh, lw, h0, w0 = _locate(rq, oq, shapes, starts, R, lv, p, PER_LEVEL, P, ACC)
-                v00, _, _ = corner(vbase, st, h0, w0, Hl, Wl, inr, cs, C, rowstride, ACC)
-                v01, _, _ = corner(vbase, st, h0, w0 + 1, Hl, Wl, inr, cs, C, rowstride, ACC)
-                v10, _, _ = corner(vbase, st, h0 + 1, w0, Hl, Wl, inr, cs, C, rowstride, ACC)
-                v11, _, _ = corner(vbase, st, h0 + 1, w0 + 1, Hl, Wl, inr, cs, C, rowstride, ACC)
-                sample = (1 - lh) * ((1 - lw) * v00 + lw * v01) + lh * ((1 - lw) * v10 + lw * v11)
+                v00, v01, v10, v11, _, _, _, _, _, _, _, _ = corners(
+                    vbase, st, h0, w0, Hl, Wl, inr, cs, C, rowstride, ACC)
+                sample = interpolate(v00, v01, v10, v11, lh, lw)
                 acc += a * sample
     acc = acc / T
     tl.store(out + i * C + cs, acc.to(out.dtype.element_ty), mask=cmask)
@@ -117,10 +115,8 @@ def _fused_bwd(value, shapes, starts, ref, proj, gout, gvalue, gproj, K, Q, H, C
                 inr, Hl, Wl, st, lh, lw, h0, w0 = _locate(rq, oq, shapes, starts, R, lv, p, PER_LEVEL, P, ACC)
                 hh = 1 - lh
                 hw = 1 - lw
-                v00, m00, o00 = corner(vbase, st, h0, w0, Hl, Wl, inr, cs, C, rowstride, ACC)
-                v01, m01, o01 = corner(vbase, st, h0, w0 + 1, Hl, Wl, inr, cs, C, rowstride, ACC)
-                v10, m10, o10 = corner(vbase, st, h0 + 1, w0, Hl, Wl, inr, cs, C, rowstride, ACC)
-                v11, m11, o11 = corner(vbase, st, h0 + 1, w0 + 1, Hl, Wl, inr, cs, C, rowstride, ACC)
+                v00, v01, v10, v11, m00, m01, m10, m11, o00, o01, o10, o11 = corners(
+                    vbase, st, h0, w0, Hl, Wl, inr, cs, C, rowstride, ACC)
                 d00 = tl.sum(g * v00, axis=0)
                 d01 = tl.sum(g * v01, axis=0)
                 d10 = tl.sum(g * v10, axis=0)
@@ -132,10 +128,7 @@ def _fused_bwd(value, shapes, starts, ref, proj, gout, gvalue, gproj, K, Q, H, C
                 dh = hw * (d10 - d00) + lw * (d11 - d01)
                 tl.store(go + 2 * lp, tl.where(inr, aq * dw, zero).to(gproj.dtype.element_ty))
                 tl.store(go + 2 * lp + 1, tl.where(inr, aq * dh, zero).to(gproj.dtype.element_ty))
-                tl.atomic_add(gbase + o00 + cs, aq * hh * hw * g, mask=m00)
-                tl.atomic_add(gbase + o01 + cs, aq * hh * lw * g, mask=m01)
-                tl.atomic_add(gbase + o10 + cs, aq * lh * hw * g, mask=m10)
-                tl.atomic_add(gbase + o11 + cs, aq * lh * lw * g, mask=m11)
+                scatter(gbase, cs, aq * g, lh, lw, m00, m01, m10, m11, o00, o01, o10, o11)
         dot = tl.sum(w * gw, axis=0)  # softmax backward: w * (gw - w . gw)
         tl.store(gl + lps, (w * (gw - dot)).to(gproj.dtype.element_ty), mask=lps < L * P)
 
