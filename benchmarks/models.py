@@ -83,13 +83,10 @@ class Switch:
         from loongkit_ops.plugin import plugin
 
         from loongkit_core.context import ActivationContext
-        from loongkit_core.feature import FeatureRecord
-        from loongkit_core.log import get_logger
 
         feature = next(f for f in plugin.loongkit_declare_features() if f.name == name)
         self.impl = plugin.impl(feature).__class__(feature)
-        self.ctx = ActivationContext(FeatureRecord(feature), None, get_logger("bench"),  # type: ignore[arg-type]
-                                     lambda module, cb: cb(sys.modules[module]))
+        self.ctx = ActivationContext.standalone(feature, logger="bench")
         self.target = target
 
     def on(self) -> None:

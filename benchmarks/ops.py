@@ -105,12 +105,9 @@ def bench_dice(quick: bool, reps: int) -> None:
     from loongkit_ops.plugin import plugin
 
     from loongkit_core.context import ActivationContext
-    from loongkit_core.feature import FeatureRecord
-    from loongkit_core.log import get_logger
 
     feature = next(f for f in plugin.loongkit_declare_features() if f.name == "dice_loss_mmseg1")
-    ctx = ActivationContext(FeatureRecord(feature), None, get_logger("bench"),  # type: ignore[arg-type]
-                            lambda module, cb: cb(sys.modules[module]))
+    ctx = ActivationContext.standalone(feature, logger="bench")
     impl = DiceLossMmseg1(feature)
     gen = torch.Generator().manual_seed(0)
     shape = (4, 19, 256, 512)
@@ -142,12 +139,9 @@ def bench_dice0(quick: bool, reps: int) -> None:
     from loongkit_ops.plugin import plugin
 
     from loongkit_core.context import ActivationContext
-    from loongkit_core.feature import FeatureRecord
-    from loongkit_core.log import get_logger
 
     feature = next(f for f in plugin.loongkit_declare_features() if f.name == "dice_loss")
-    ctx = ActivationContext(FeatureRecord(feature), None, get_logger("bench"),  # type: ignore[arg-type]
-                            lambda module, cb: cb(sys.modules[module]))
+    ctx = ActivationContext.standalone(feature, logger="bench")
     impl = DiceLossMmseg0(feature)
     gen = torch.Generator().manual_seed(0)
     shape = (4, 19, 256, 512)

@@ -71,6 +71,22 @@ class ActivationContext:
         self._on_import = on_import
         self._at_exit = at_exit
 
+    @classmethod
+    def standalone(cls, feature: Feature, state: Any = None, logger: str = "loongkit") -> ActivationContext:
+        """A context for calling a feature's ``activate``/``deactivate`` outside a Runtime (tests,
+        benchmarks): a fresh record (in ``state`` if given), no Environment, and ``on_import`` calling
+        back at once with the module, which the caller has already imported."""
+        import sys
+
+        from loongkit_core.feature import FeatureRecord
+        from loongkit_core.log import get_logger
+
+        record = FeatureRecord(feature)
+        if state is not None:
+            record.state = state
+        return cls(record, None, get_logger(logger),  # type: ignore[arg-type]
+                   lambda module, cb: cb(sys.modules[module]))
+
     @property
     def feature(self) -> Feature:
         return self.record.feature

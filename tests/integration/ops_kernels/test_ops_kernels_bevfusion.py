@@ -34,8 +34,7 @@ from loongkit_ops.patches.bevfusion import BevFusionPool  # noqa: E402
 from loongkit_ops.plugin import plugin  # noqa: E402
 
 from loongkit_core.context import ActivationContext  # noqa: E402
-from loongkit_core.feature import FeatureRecord, State  # noqa: E402
-from loongkit_core.log import get_logger  # noqa: E402
+from loongkit_core.feature import State  # noqa: E402
 
 SEED = int(torch.seed() % 2**31)
 
@@ -59,10 +58,7 @@ def write_project(root: Path, package: str, source: str = TRANSFORMS) -> str:
 
 def activation() -> tuple[BevFusionPool, ActivationContext]:
     feature = next(f for f in plugin.loongkit_declare_features() if f.name == "bevfusion")
-    record = FeatureRecord(feature)
-    record.state = State.APPLIED
-    ctx = ActivationContext(record, None, get_logger("test"),  # type: ignore[arg-type]
-                            lambda module, cb: cb(sys.modules[module]))
+    ctx = ActivationContext.standalone(feature, State.APPLIED)
     return BevFusionPool(feature), ctx
 
 

@@ -33,8 +33,7 @@ from loongkit_ops.patches.dag import SparseDAG, interface_problem  # noqa: E402
 from loongkit_ops.plugin import plugin  # noqa: E402
 
 from loongkit_core.context import ActivationContext, NotApplicable  # noqa: E402
-from loongkit_core.feature import FeatureRecord, State  # noqa: E402
-from loongkit_core.log import get_logger  # noqa: E402
+from loongkit_core.feature import State  # noqa: E402
 
 SEED = int(torch.seed() % 2**31)
 TOL = {torch.float32: {"rtol": 2e-5, "atol": 2e-5}, torch.float64: {"rtol": 1e-10, "atol": 1e-10}}
@@ -59,10 +58,7 @@ def write_project(root: Path, package: str, blocks: str = BLOCKS) -> str:
 
 def activation() -> tuple[SparseDAG, ActivationContext]:
     feature = next(f for f in plugin.loongkit_declare_features() if f.name == "dag")
-    record = FeatureRecord(feature)
-    record.state = State.APPLIED
-    ctx = ActivationContext(record, None, get_logger("test"),  # type: ignore[arg-type]
-                            lambda module, cb: cb(sys.modules[module]))
+    ctx = ActivationContext.standalone(feature, State.APPLIED)
     return SparseDAG(feature), ctx
 
 

@@ -25,8 +25,6 @@ from loongkit_ops.patches.msda import BevformerMSDA  # noqa: E402
 from loongkit_ops.plugin import plugin  # noqa: E402
 
 from loongkit_core.context import ActivationContext, NotApplicable  # noqa: E402
-from loongkit_core.feature import FeatureRecord  # noqa: E402
-from loongkit_core.log import get_logger  # noqa: E402
 
 SEED = int(torch.seed() % 2**31)
 TOL = {torch.float32: {"rtol": 2e-5, "atol": 2e-5}, torch.float64: {"rtol": 1e-10, "atol": 1e-10}}
@@ -41,8 +39,7 @@ def ext() -> Any:
 
 def activation() -> tuple[BevformerMSDA, ActivationContext]:
     feature = next(f for f in plugin.loongkit_declare_features() if f.name == "bevformer")
-    ctx = ActivationContext(FeatureRecord(feature), None, get_logger("test"),  # type: ignore[arg-type]
-                            lambda module, cb: cb(sys.modules[module]))
+    ctx = ActivationContext.standalone(feature, logger="test")
     return BevformerMSDA(feature), ctx
 
 

@@ -24,8 +24,6 @@ from loongkit_ops.patches.voxelize import Voxelization as VoxelizationImpl  # no
 from loongkit_ops.plugin import plugin  # noqa: E402
 
 from loongkit_core.context import ActivationContext, NotApplicable  # noqa: E402
-from loongkit_core.feature import FeatureRecord  # noqa: E402
-from loongkit_core.log import get_logger  # noqa: E402
 
 SEED = int(torch.seed() % 2**31)
 TARGET = "mmcv.ops.voxelize"
@@ -42,8 +40,7 @@ def ext() -> Any:
 
 def activation() -> tuple[VoxelizationImpl, ActivationContext]:
     feature = next(f for f in plugin.loongkit_declare_features() if f.name == "voxelization")
-    ctx = ActivationContext(FeatureRecord(feature), None, get_logger("test"),  # type: ignore[arg-type]
-                            lambda module, cb: cb(sys.modules[module]))
+    ctx = ActivationContext.standalone(feature, logger="test")
     return VoxelizationImpl(feature), ctx
 
 

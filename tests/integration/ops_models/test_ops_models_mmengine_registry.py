@@ -9,7 +9,6 @@ equal the unpatched ones within 2e-5 (fp32), relative to the tensor's max.
 from __future__ import annotations
 
 import importlib.util
-import sys
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,8 +26,6 @@ from loongkit_ops import kernels  # noqa: E402
 from loongkit_ops.plugin import plugin  # noqa: E402
 
 from loongkit_core.context import ActivationContext  # noqa: E402
-from loongkit_core.feature import FeatureRecord  # noqa: E402
-from loongkit_core.log import get_logger  # noqa: E402
 
 UNIT = Path(__file__).parents[2] / "unit" / "ops_models"
 SEED = int(torch.seed() % 2**31)
@@ -59,8 +56,7 @@ def registries() -> Iterator[tuple[Any, Any]]:
 
 def activation(name: str) -> tuple[Any, ActivationContext]:
     feature = next(f for f in plugin.loongkit_declare_features() if f.name == name)
-    ctx = ActivationContext(FeatureRecord(feature), None, get_logger("test"),  # type: ignore[arg-type]
-                            lambda module, cb: cb(sys.modules[module]))
+    ctx = ActivationContext.standalone(feature, logger="test")
     return plugin.impl(feature).__class__(feature), ctx
 
 

@@ -20,8 +20,6 @@ from loongkit_ops.patches import registry_watch
 from loongkit_ops.plugin import plugin
 
 from loongkit_core.context import ActivationContext
-from loongkit_core.feature import FeatureRecord
-from loongkit_core.log import get_logger
 
 HERE = Path(__file__).parent
 SEED = int(torch.seed() % 2**31)
@@ -65,8 +63,7 @@ def mmcv1(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
 
 def activation(name: str = "bevformer") -> tuple[Any, ActivationContext]:
     feature = next(f for f in plugin.loongkit_declare_features() if f.name == name)
-    ctx = ActivationContext(FeatureRecord(feature), None, get_logger("test"),  # type: ignore[arg-type]
-                            lambda module, cb: cb(sys.modules[module]))
+    ctx = ActivationContext.standalone(feature, logger="test")
     return plugin.impl(feature).__class__(feature), ctx
 
 

@@ -20,8 +20,6 @@ from loongkit_ops import kernels
 from loongkit_ops.plugin import plugin
 
 from loongkit_core.context import ActivationContext
-from loongkit_core.feature import FeatureRecord
-from loongkit_core.log import get_logger
 
 HERE = Path(__file__).parent
 SEED = int(torch.seed() % 2**31)
@@ -57,8 +55,7 @@ def uniad(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
 
 def activation() -> tuple[Any, ActivationContext]:
     feature = next(f for f in plugin.loongkit_declare_features() if f.name == "uniad")
-    ctx = ActivationContext(FeatureRecord(feature), None, get_logger("test"),  # type: ignore[arg-type]
-                            lambda module, cb: cb(sys.modules[module]))
+    ctx = ActivationContext.standalone(feature, logger="test")
     return plugin.impl(feature).__class__(feature), ctx
 
 
