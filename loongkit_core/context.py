@@ -11,7 +11,7 @@ from loongkit_core import requirements
 from loongkit_core.patcher import Patcher
 
 if TYPE_CHECKING:
-    from loongkit_core.feature import Feature, FeatureRecord
+    from loongkit_core.feature import Feature, FeatureRecord, State
     from loongkit_core.hardware import Hardware
     from loongkit_core.process import ProcessInfo
     from loongkit_core.settings import CoreSettings
@@ -72,10 +72,12 @@ class ActivationContext:
         self._at_exit = at_exit
 
     @classmethod
-    def standalone(cls, feature: Feature, state: Any = None, logger: str = "loongkit") -> ActivationContext:
+    def standalone(cls, feature: Feature, state: Any = None, logger: str = "loongkit",
+                   config: object = None) -> ActivationContext:
         """A context for calling a feature's ``activate``/``deactivate`` outside a Runtime (tests,
-        benchmarks): a fresh record (in ``state`` if given), no Environment, and ``on_import`` calling
-        back at once with the module, which the caller has already imported."""
+        benchmarks): a fresh record (in ``state`` if given, with ``config`` as ``ctx.config``: pass
+        the options the feature would have been configured with), no Environment, and ``on_import``
+        calling back at once with the module, which the caller has already imported."""
         import sys
 
         from loongkit_core.feature import FeatureRecord
@@ -84,6 +86,7 @@ class ActivationContext:
         record = FeatureRecord(feature)
         if state is not None:
             record.state = state
+        record.config = config
         return cls(record, None, get_logger(logger),  # type: ignore[arg-type]
                    lambda module, cb: cb(sys.modules[module]))
 
@@ -93,6 +96,8 @@ class ActivationContext:
 
     @property
     def config(self) -> object:
+        """The validated options (None for a feature without options, and in a ``standalone`` context
+        until ``set_config``; ``FeatureImpl.configure`` gives the parsed value for tests)."""
         return self.record.config
 
     def set_config(self, config: object) -> None:
@@ -103,9 +108,22 @@ class ActivationContext:
         """A fact for the JSON summary and the log (e.g. the CPUs a rank was bound to)."""
         self.record.details[key] = value
 
-    def mark_active(self, n: int = 1) -> None:
-        """The feature's code ran: the Summary shows '*'."""
+    # -- what happened: the runtime owns the record; plugins say it through these verbs ------------
+    @property
+    def calls(self) -> int:
+        """How often the feature's code ran in this process so far."""
+        return self.record.calls
+
+    @property
+    def state(self) -> State:
+        return self.record.state
+
+    def count(self, n: int = 1) -> None:
+        """The feature's code ran ``n`` times: the Summary shows '*' and the count (one integer add;
+        DataLoader workers' counts reach their main process's Summary)."""
         self.record.calls += n
+
+    mark_active = count  # the earlier name
 
     def counted(self, fn: F) -> F:
         """Wrap ``fn`` so that each call counts as the feature being active (one integer add)."""
@@ -118,6 +136,41 @@ class ActivationContext:
 
         wrapper.__loongkit_original__ = fn  # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]
+
+    def waiting(self, why: str = "") -> None:
+        """Applied, and waiting for something before its code can run ("no CUDA device", "page cache
+        below the limit"): the Summary shows ``why`` until the feature is active. ``""`` clears it."""
+        if self.record.reason != why:
+            self.record.reason = why
+            if why:
+                self.log.info("feature waiting", reason=why)
+
+    def fallback(self, why: str) -> None:
+        """A call took the upstream path instead of the feature's (a kernel that did not build, an
+        input it does not handle). Counted per reason in the JSON; the reason is shown while the
+        feature has not run. Cheap enough for a hot path: logs only when the reason changes."""
+        fallbacks = self.record.details.setdefault("fallbacks", {})
+        assert isinstance(fallbacks, dict)
+        fallbacks[why] = fallbacks.get(why, 0) + 1
+        if self.record.reason != why:
+            self.record.reason = why
+            self.log.info("feature fell back", reason=why)
+
+    def not_applicable(self, why: str) -> None:
+        """Found out after activation that the target is not what the feature expects (a class that
+        registers later and differs). Undo what was patched for it first; ``applied()`` reverts this
+        when a later target fits."""
+        from loongkit_core.feature import State
+
+        self.record.state, self.record.reason = State.NOT_APPLICABLE, why
+        self.log.warning("feature not applicable", reason=why)
+
+    def applied(self) -> None:
+        """The feature's patch is in force (again), e.g. after ``not_applicable`` for an earlier class."""
+        from loongkit_core.feature import State
+
+        if self.record.state != State.APPLIED:
+            self.record.state, self.record.reason = State.APPLIED, ""
 
     def at_exit(self, callback: Callable[[], None]) -> None:
         """Run ``callback()`` when the process ends (exit, exception, SIGTERM), before the Summary is

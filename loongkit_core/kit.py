@@ -122,6 +122,16 @@ class PluginSpec:
             found = self._impls[feature.name] = cls(feature)
         return found
 
+    def feature(self, name: str) -> Feature:
+        """The declared feature called ``name`` (KeyError if this plugin declares none such); e.g. for
+        ``ActivationContext.standalone(plugin.feature("x"))`` in tests."""
+        return self._features[name]
+
+    @property
+    def features(self) -> list[Feature]:
+        """Every feature this plugin declares, in declaration order."""
+        return list(self._features.values())
+
     def owns(self, feature: Feature) -> bool:
         return feature.name in self._impl_paths and self._features.get(feature.name) is not None
 

@@ -69,3 +69,53 @@ def test_missing_attribute() -> None:
     p.patch(Child, "nothing", 1, require=False)
     p.undo()
     assert not hasattr(Child, "nothing")
+
+
+def test_assign_restores_through_the_setter() -> None:
+    class Flags:
+        def __init__(self) -> None:
+            self._v = "ieee"
+
+        @property
+        def mode(self) -> str:
+            return self._v
+
+        @mode.setter
+        def mode(self, value: str) -> None:
+            self._v = value
+
+    flags = Flags()
+    p = Patcher()
+    assert p.assign(flags, "mode", "tf32") == "ieee"
+    assert flags.mode == "tf32"
+    p.undo()
+    assert flags.mode == "ieee" and "mode" not in flags.__dict__
+
+
+def test_set_item_and_defer_undo_newest_first() -> None:
+    env = {"KEEP": "1"}
+    order: list[str] = []
+    p = Patcher()
+    p.set_item(env, "NEW", "x")
+    p.set_item(env, "KEEP", "2")
+    p.defer(lambda: order.append("first registered"))
+    p.defer(lambda: order.append("second registered"))
+    p.undo()
+    assert env == {"KEEP": "1"}
+    assert order == ["second registered", "first registered"]
+
+
+def test_undo_finishes_every_change_when_one_raises() -> None:
+    class Owner:
+        pass
+
+    p = Patcher()
+    p.patch(Owner, "a", 1, require=False)
+
+    def boom() -> None:
+        raise RuntimeError("boom")
+
+    p.defer(boom)
+    with pytest.raises(RuntimeError):
+        p.undo()
+    assert not hasattr(Owner, "a") and len(p) == 0
