@@ -14,6 +14,7 @@ with no CUDA device (one may appear later). A value the user chose before loongk
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from loongkit_core.context import ActivationContext
@@ -29,7 +30,12 @@ def new_api(backends: Any) -> bool:
     return matmul is not None and hasattr(matmul, "fp32_precision")
 
 
-def apply_new(backends: Any) -> tuple[dict[str, str], dict[str, str]]:
+# How a switch is set: plain ``setattr`` for the helpers alone, ``ctx.patcher.assign`` when activated
+# (so the default deactivate puts back exactly the values found).
+Setter = Callable[[Any, str, Any], object]
+
+
+def apply_new(backends: Any, assign: Setter = setattr) -> tuple[dict[str, str], dict[str, str]]:
     """Set TF32 through fp32_precision; return (what is in effect, what the user had chosen)."""
     slots = {
         "matmul": backends.cuda.matmul,
@@ -46,46 +52,40 @@ def apply_new(backends: Any) -> tuple[dict[str, str], dict[str, str]]:
         elif current == "none" and global_choice not in (None, "none"):
             kept[name] = f"{global_choice} (global)"
         else:
-            slot.fp32_precision = "tf32"
+            assign(slot, "fp32_precision", "tf32")
         result[name] = kept.get(name, "tf32")
     return result, kept
 
 
-def apply_legacy(backends: Any, torch: Any) -> tuple[dict[str, str], dict[str, str]]:
+def apply_legacy(backends: Any, torch: Any, assign: Setter = setattr) -> tuple[dict[str, str], dict[str, str]]:
     """Set TF32 through the legacy flags (torch < 2.9)."""
     kept: dict[str, str] = {}
     precision = torch.get_float32_matmul_precision() if hasattr(torch, "get_float32_matmul_precision") else "highest"
     if precision != "highest":
         kept["matmul"] = f"float32_matmul_precision={precision}"
     else:
-        backends.cuda.matmul.allow_tf32 = True
-    backends.cudnn.allow_tf32 = True  # already the default since torch 1.7; a user's False is unknowable
+        assign(backends.cuda.matmul, "allow_tf32", True)
+    assign(backends.cudnn, "allow_tf32", True)  # already the default since torch 1.7; a user's False is unknowable
     result = {"matmul": "tf32" if backends.cuda.matmul.allow_tf32 else "ieee",
               "cudnn": "tf32" if backends.cudnn.allow_tf32 else "ieee"}
     return result, kept
 
 
 class AllowTF32(FeatureImpl):
-    def __init__(self, feature: Any) -> None:
-        super().__init__(feature)
-        self._restore: list[tuple[Any, str, Any]] = []  # (object, attribute, value before us)
-        self._hook: Any = None
+    """Every switch goes through ``ctx.patcher`` (assign, and the hook's removal deferred), so the
+    default ``deactivate`` restores the values found and removes the hook."""
 
     def activate(self, ctx: ActivationContext, target: str | None) -> None:
         import torch
 
         backends = torch.backends
+        assign = ctx.patcher.assign
         if new_api(backends):
-            self._remember(backends.cuda.matmul, "fp32_precision")
-            self._remember(backends.cudnn.conv, "fp32_precision")
-            self._remember(backends.cudnn.rnn, "fp32_precision")
-            applied, kept = apply_new(backends)
+            applied, kept = apply_new(backends, assign)
             config = {"matmul": applied["matmul"], "cudnn": applied["conv"], "cudnn_rnn": applied["rnn"]}
             ctx.detail("api", "fp32_precision")
         else:
-            self._remember(backends.cuda.matmul, "allow_tf32")
-            self._remember(backends.cudnn, "allow_tf32")
-            config, kept = apply_legacy(backends, torch)
+            config, kept = apply_legacy(backends, torch, assign)
             ctx.detail("api", "allow_tf32 (legacy)")
         for name, value in kept.items():
             ctx.log.info("kept the user's precision setting", slot=name, value=value)
@@ -94,17 +94,15 @@ class AllowTF32(FeatureImpl):
             ctx.detail("kept_user_settings", kept)
         self._watch_cuda_use(ctx, torch)
 
-    def _remember(self, obj: Any, attr: str) -> None:
-        self._restore.append((obj, attr, getattr(obj, attr)))
-
-    def _watch_cuda_use(self, ctx: ActivationContext, torch: Any) -> None:
-        """Mark the feature active on the first FP32 matmul/convolution module run on CUDA.
+    @staticmethod
+    def _watch_cuda_use(ctx: ActivationContext, torch: Any) -> None:
+        """Count the feature active on the first FP32 matmul/convolution module run on CUDA.
 
         A global forward pre-hook removes itself after the first hit, so steady state costs nothing;
         without a CUDA device it is not installed at all.
         """
         if not torch.cuda.is_available():
-            ctx.record.reason = "no CUDA device"
+            ctx.waiting("no CUDA device")
             ctx.log.info("TF32 switches set; no CUDA device, so nothing will use them")
             return
         nn = torch.nn
@@ -115,21 +113,10 @@ class AllowTF32(FeatureImpl):
                 return
             weight = next(module.parameters(recurse=False), None)
             if weight is not None and weight.is_cuda and weight.dtype == torch.float32:
-                ctx.mark_active()
-                ctx.record.reason = ""
-                if self._hook is not None:
-                    self._hook.remove()
-                    self._hook = None
+                ctx.count()
+                ctx.waiting("")
+                handle.remove()  # idempotent: the deferred removal at undo is then a no-op
 
-        self._hook = torch.nn.modules.module.register_module_forward_pre_hook(first_cuda_use)
-        ctx.record.reason = "no FP32 matmul/convolution ran on CUDA"
-
-    def deactivate(self, ctx: ActivationContext) -> None:
-        """Put every switch back to the value it had before activation."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        while self._restore:
-            obj, attr, value = self._restore.pop()
-            setattr(obj, attr, value)
-        super().deactivate(ctx)
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(first_cuda_use)
+        ctx.patcher.defer(handle.remove)
+        ctx.waiting("no FP32 matmul/convolution ran on CUDA")

@@ -74,6 +74,40 @@ def test_deactivate_restores_exact_values() -> None:
     assert out == ("tf32 True {'matmul': 'tf32', 'cudnn': 'tf32', 'cudnn_rnn': 'tf32'} no CUDA device")
 
 
+def _switches() -> tuple[str, str, str]:
+    b = torch.backends
+    return b.cuda.matmul.fp32_precision, b.cudnn.conv.fp32_precision, b.cudnn.rnn.fp32_precision
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_default_deactivate_restores_and_reapplies(loongkit_runtime, monkeypatch: pytest.MonkeyPatch,
+                                                   cuda: bool) -> None:  # type: ignore[no-untyped-def]
+    """apply -> the default FeatureImpl.deactivate (no override) -> the switches and the global hook
+    dict are as found -> apply again sets them again. ``cuda``: the watch hook is installed too."""
+    from loongkit_core.feature import State
+    from loongkit_core.kit import FeatureImpl
+
+    assert "deactivate" not in tf32.AllowTF32.__dict__ and tf32.AllowTF32.deactivate is FeatureImpl.deactivate
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    torch.backends.cudnn.rnn.fp32_precision = "ieee"  # the user's choice: kept, and still there after undo
+    try:
+        before = _switches()
+        hooks = dict(torch.nn.modules.module._global_forward_pre_hooks)
+        rt = loongkit_runtime({"LOONGKIT_ALLOW_TF32": "1"}, activate={"allow_tf32": "torch"})
+        record = rt.records["allow_tf32"]
+        for _ in range(2):
+            assert record.state == State.APPLIED
+            assert _switches() == ("tf32", "tf32", "ieee")
+            assert len(torch.nn.modules.module._global_forward_pre_hooks) == len(hooks) + int(cuda)
+            rt.deactivate("allow_tf32")
+            assert _switches() == before
+            assert dict(torch.nn.modules.module._global_forward_pre_hooks) == hooks
+            rt.activate(record, "torch")
+        assert len(rt.contexts["allow_tf32"].patcher) == 2 + int(cuda)  # nothing stacked on the first apply
+    finally:
+        torch.backends.cudnn.rnn.fp32_precision = "tf32"
+
+
 # -- the torch < 2.9 branch with a stand-in backend object ---------------------------------------------
 class _LegacyTorch:
     def __init__(self, precision: str = "highest") -> None:
