@@ -59,3 +59,33 @@ def test_bad_option_falls_back(installed: Path, run_loongkit) -> None:  # type: 
                              "LOONGKIT_EXAMPLE_ANOMALY_CHECK_NAN": "sometimes"})
     assert r.feature("example_anomaly")["config"] == {"check_nan": True}
     assert "LOONGKIT_EXAMPLE_ANOMALY_CHECK_NAN='sometimes' is invalid" in r.logs()
+
+
+def test_default_deactivate_restores_and_reapplies(installed: Path, loongkit_runtime,  # type: ignore[no-untyped-def]
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The example has no deactivate of its own: the default one (ctx.patcher.undo()) puts back the
+    anomaly mode found and the original Tensor.backward; activating again works the same."""
+    import torch
+
+    from loongkit_core.feature import State
+    from loongkit_core.kit import FeatureImpl
+
+    monkeypatch.syspath_prepend(str(installed))  # the pip-installed distribution and its entry point
+    from loongkit_example.anomaly import Anomaly
+
+    assert Anomaly.deactivate is FeatureImpl.deactivate
+    before = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+    original_backward = torch.Tensor.__dict__["backward"]
+    rt = loongkit_runtime({"LOONGKIT_EXAMPLE_ANOMALY": "1", "LOONGKIT_EXAMPLE_ANOMALY_CHECK_NAN": "0"},
+                          activate={"example_anomaly": "torch"})
+    record = rt.records["example_anomaly"]
+    for rounds in (1, 2):
+        assert record.state == State.APPLIED, record.reason
+        assert (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()) == (True, False)
+        torch.ones(2, requires_grad=True).sum().backward()
+        assert record.calls == rounds
+        rt.deactivate("example_anomaly")
+        assert (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()) == before
+        assert torch.Tensor.__dict__["backward"] is original_backward
+        rt.activate(record, "torch")
+    assert len(rt.contexts["example_anomaly"].patcher) == 2  # the mode and the wrapper, not stacked

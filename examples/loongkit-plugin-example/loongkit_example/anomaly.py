@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+import functools
 
 from pydantic_settings import SettingsConfigDict
 
@@ -28,14 +28,11 @@ class Anomaly(FeatureImpl):
         set_anomaly = getattr(torch.autograd, "set_detect_anomaly", None)
         if set_anomaly is None:
             raise NotApplicable("torch.autograd.set_detect_anomaly is missing")
-        self._previous = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+        previous = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
         set_anomaly(True, check_nan=options.check_nan)
+        # Every change goes through ctx.patcher, so the default deactivate (ctx.patcher.undo()) puts
+        # back the mode found, and the original Tensor.backward.
+        ctx.patcher.defer(functools.partial(set_anomaly, *previous))
         # Count backward passes so the Summary can star the feature only when autograd really ran.
         ctx.patcher.patch(torch.Tensor, "backward", ctx.counted(torch.Tensor.backward))
         ctx.log.info("autograd anomaly detection on", check_nan=options.check_nan)
-
-    def deactivate(self, ctx: ActivationContext) -> Any:
-        import torch
-
-        torch.autograd.set_detect_anomaly(*self._previous)
-        ctx.patcher.undo()
