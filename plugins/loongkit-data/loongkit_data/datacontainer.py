@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 from loongkit_core.context import ActivationContext, NotApplicable
@@ -71,13 +72,16 @@ def wrap_build_dataloader(original: Callable[..., Any], possible: Callable[[], b
         return original(*args, **kwargs)
 
     build_dataloader.__wrapped__ = original  # type: ignore[attr-defined]
+    build_dataloader.__loongkit_original__ = original  # type: ignore[attr-defined]
     build_dataloader.__name__ = getattr(original, "__name__", "build_dataloader")
     build_dataloader.__doc__ = getattr(original, "__doc__", None)
     return build_dataloader
 
 
 def patch_builder(patcher: Any, builder: Any, wrapper: Callable[..., Any]) -> list[str]:
-    """Replace ``builder.build_dataloader`` and every already-imported module's binding of it."""
+    """Replace ``builder.build_dataloader`` and every already-imported module's binding of it: the
+    original, or the wrapper of an earlier activation that the module copied by name (switched off by
+    that activation's undo; never someone else's wrapper)."""
     original = getattr(builder, "build_dataloader", None)
     if not callable(original):
         raise NotApplicable(f"{builder.__name__}.build_dataloader not found (mmdet changed)")
@@ -85,7 +89,8 @@ def patch_builder(patcher: Any, builder: Any, wrapper: Callable[..., Any]) -> li
     done = [builder.__name__]
     for name in BUILDER_USERS:
         module = sys.modules.get(name)
-        if module is not None and getattr(module, "build_dataloader", None) is original:
+        bound = getattr(module, "build_dataloader", None)
+        if module is not None and (bound is original or getattr(bound, "__loongkit_original__", None) is original):
             patcher.patch(module, "build_dataloader", wrapper)
             done.append(name)
     return done
@@ -97,9 +102,10 @@ def bound_to(wrapper: Callable[..., Any]) -> list[str]:
 
 
 class DataContainerPin(FeatureImpl):
-    def __init__(self, feature: Any) -> None:
-        super().__init__(feature)
-        self._on = False  # the import callback for mmdet outlives a deactivation; it checks this
+    """The patches go through ``ctx.patcher``. The import callback for mmdet (which cannot be
+    unregistered) and the wrappers that modules copied by name check this activation's switch, turned
+    on with ``ctx.patcher.assign``: the default ``deactivate`` makes them plain call-throughs, and a
+    callback left over from an earlier activation stays off when the feature is activated again."""
 
     def detect(self, env: Any) -> str | None:
         return None  # pinning happens in the training process; without CUDA the Summary says so at run time
@@ -117,17 +123,17 @@ class DataContainerPin(FeatureImpl):
         if "pin_memory" in cls.__dict__:
             raise NotApplicable("mmcv.parallel.DataContainer already has pin_memory")
 
-        def on_pin() -> None:
-            ctx.record.calls += 1
-
-        ctx.patcher.patch(cls, "pin_memory", make_pin_memory(on_pin), require=False)
-        self._on = True
+        ctx.patcher.patch(cls, "pin_memory", make_pin_memory(ctx.count), require=False)
+        switch = SimpleNamespace(on=False)
+        ctx.patcher.assign(switch, "on", True)
         loaders: list[str] = []
         ctx.set_config({"DataContainer.pin_memory": True, "build_dataloader": loaders})
+        skipped: set[str] = set()
 
         def on_skip(reason: str) -> None:
-            if ctx.record.reason != reason:
-                ctx.record.reason = reason
+            ctx.waiting(reason)
+            if reason not in skipped:  # one log line per distinct reason
+                skipped.add(reason)
                 ctx.log.info("DataLoader pin_memory not turned on", reason=reason)
 
         wrapper_holder: dict[str, Any] = {}
@@ -136,27 +142,23 @@ class DataContainerPin(FeatureImpl):
             # Modules that import the name after the builder was patched (mmdet.datasets' own __init__,
             # which is still running when the builder's hook fires, and mmdet.apis.train) copy the
             # wrapper itself; list them for the Summary once they exist.
-            if self._on and "w" in wrapper_holder:
+            if switch.on and "w" in wrapper_holder:
                 loaders.extend(name for name in bound_to(wrapper_holder["w"]) if name not in loaders)
 
         def on_builder(builder: Any) -> None:
-            if not self._on:
+            if not switch.on:
                 return
             original = getattr(builder, "build_dataloader", None)
             if not callable(original):
                 ctx.log.warning("mmdet build_dataloader not found; its loaders keep pin_memory=False")
                 return
             wrapper = wrapper_holder.setdefault(
-                "w", wrap_build_dataloader(original, on_skip=on_skip, enabled=lambda: self._on))
+                "w", wrap_build_dataloader(original, on_skip=on_skip, enabled=lambda: switch.on))
             loaders.extend(patch_builder(ctx.patcher, builder, wrapper))
             ctx.at_exit(note_copies)
             ctx.log.info("mmdet build_dataloader turns on pin_memory", patched=loaders)
 
         ctx.on_import("mmdet.datasets.builder", on_builder)
         if not pinning_possible():
-            ctx.record.reason = NO_CUDA
+            ctx.waiting(NO_CUDA)
         ctx.log.info("DataContainer.pin_memory installed", cuda=pinning_possible())
-
-    def deactivate(self, ctx: ActivationContext) -> None:
-        self._on = False
-        super().deactivate(ctx)

@@ -18,6 +18,7 @@ so the random stream and the result are upstream's. Subclasses that inherit ``tr
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from loongkit_core.context import ActivationContext, Environment, NotApplicable
@@ -110,7 +111,6 @@ class Distortion(FeatureImpl):
         super().__init__(feature)
         self.fallbacks: dict[str, int] = {}  # reason -> images sent to upstream (shown in the Summary)
         self._config: dict[str, Any] = {}
-        self._targets: list[str] = []
 
     def detect(self, env: Environment) -> str | None:
         if not sys.platform.startswith("linux"):
@@ -122,7 +122,7 @@ class Distortion(FeatureImpl):
             return "OpenCV is not installed"
         return None
 
-    def _note(self, out: Any, why: str, record: Any) -> bool:
+    def _note(self, out: Any, why: str, count: Callable[[], None]) -> bool:
         if not self._config.get("hsv"):
             from loongkit_data.kernels import ops
 
@@ -132,7 +132,7 @@ class Distortion(FeatureImpl):
         if out is None:
             self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
             return False
-        record.calls += 1
+        count()
         return True
 
     def activate(self, ctx: ActivationContext, target: str | None) -> None:
@@ -140,7 +140,7 @@ class Distortion(FeatureImpl):
         cls = getattr(module, "PhotoMetricDistortion", None)
         if not isinstance(cls, type):
             raise NotApplicable(f"{target} has no PhotoMetricDistortion class")
-        self._config = ctx.record.config if isinstance(ctx.record.config, dict) else {}
+        self._config = ctx.config if isinstance(ctx.config, dict) else {}
         self._config.setdefault("fallbacks", self.fallbacks)
         ctx.set_config(self._config)
         if target == V3:
@@ -149,7 +149,6 @@ class Distortion(FeatureImpl):
             self._patch_v2(ctx, cls, module)
         else:
             raise NotApplicable(f"unknown target {target}")
-        self._targets.append(target)
         ctx.log.info("PhotoMetricDistortion routed to the loongkit kernel", target=target)
 
     def _patch_v3(self, ctx: ActivationContext, cls: type) -> None:
@@ -159,13 +158,13 @@ class Distortion(FeatureImpl):
             raise NotApplicable("mmdet 3.x PhotoMetricDistortion has no transform/_random_flags")
         from loongkit_data.kernels import ops
 
-        record = ctx.record
+        count = ctx.count  # bound once: the wrapper's hot path
         impl = self
 
         def transform(self: Any, results: dict) -> dict:
             img = results.get("img") if isinstance(results, dict) else None
             if ops.hwc3_reason(img) is not None or "_random_flags" in vars(self):
-                impl._note(None, ops.hwc3_reason(img) or "instance overrides _random_flags", record)
+                impl._note(None, ops.hwc3_reason(img) or "instance overrides _random_flags", count)
                 return original(self, results)
             flags = self._random_flags()
             out, why = None, "draws not plain Python numbers"
@@ -176,7 +175,7 @@ class Distortion(FeatureImpl):
                     out, why = ops.distort(img, **p)
             except Exception as exc:  # never break the pipeline: upstream decides
                 out, why = None, f"kernel error: {type(exc).__name__}"
-            if impl._note(out, why, record):
+            if impl._note(out, why, count):
                 results["img"] = out
                 return results
             self._random_flags = lambda: flags  # replay the same draws through upstream's code
@@ -196,7 +195,7 @@ class Distortion(FeatureImpl):
             raise NotApplicable("mmdet 2.x PhotoMetricDistortion has no __call__ or module random")
         from loongkit_data.kernels import ops
 
-        record = ctx.record
+        count = ctx.count  # bound once: the wrapper's hot path
         impl = self
 
         def __call__(self: Any, results: dict) -> dict:
@@ -205,7 +204,7 @@ class Distortion(FeatureImpl):
             if why is None and results.get("img_fields", ["img"]) != ["img"]:
                 why = "img_fields other than ['img']"
             if why is not None:
-                impl._note(None, why, record)
+                impl._note(None, why, count)
                 return original(self, results)
             random = module.random
             draws, d = draw_v2(random, self)
@@ -217,7 +216,7 @@ class Distortion(FeatureImpl):
                     out, why = ops.distort(img, **p)
             except Exception as exc:
                 out, why = None, f"kernel error: {type(exc).__name__}"
-            if impl._note(out, why, record):
+            if impl._note(out, why, count):
                 results["img"] = out
                 return results
             module.random = _Replay(draws)  # upstream's code, fed the draws already made

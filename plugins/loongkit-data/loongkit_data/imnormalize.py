@@ -23,7 +23,7 @@ NAMES = ("imnormalize", "imnormalize_")
 _PARAMS = ["img", "mean", "std", "to_rgb"]
 
 
-def rebind(originals: dict[str, Any], replacements: dict[str, Any], patch: Callable[[Any, str, Any], None]) -> int:
+def rebind(originals: dict[str, Any], replacements: dict[str, Any], patch: Callable[[Any, str, Any], object]) -> int:
     """Call ``patch(module, name, replacement)`` for every loaded module binding an original."""
     n = 0
     for module in list(sys.modules.values()):
@@ -38,11 +38,8 @@ def rebind(originals: dict[str, Any], replacements: dict[str, Any], patch: Calla
 
 
 class ImNormalize(FeatureImpl):
-    def __init__(self, feature: Any) -> None:
-        super().__init__(feature)
-        self._originals: dict[str, Any] = {}
-        self._wrappers: dict[str, Any] = {}
-        self.fallbacks: dict[str, int] = {}  # reason -> calls sent to upstream (shown in the Summary)
+    """Every binding goes through ``ctx.patcher`` and a deferred re-bind covers the re-exports the
+    patcher never saw, so the default ``deactivate`` restores the originals everywhere."""
 
     def detect(self, env: Environment) -> str | None:
         if not sys.platform.startswith("linux"):
@@ -55,6 +52,7 @@ class ImNormalize(FeatureImpl):
         module = sys.modules.get(target or "")
         if module is None:
             raise NotApplicable(f"{target} is not imported")
+        originals: dict[str, Any] = {}
         for name in NAMES:
             fn = getattr(module, name, None)
             if not callable(fn):
@@ -62,13 +60,13 @@ class ImNormalize(FeatureImpl):
             params = list(inspect.signature(fn).parameters)
             if params != _PARAMS:
                 raise NotApplicable(f"{target}.{name}{tuple(params)} is not (img, mean, std, to_rgb)")
-            self._originals[name] = fn
+            originals[name] = fn
         from loongkit_data.kernels import ops
 
-        config: dict[str, Any] = {"kernel": "built on first call", "fallbacks": self.fallbacks}
+        fallbacks: dict[str, int] = {}  # reason -> calls sent to upstream (the Summary's configuration)
+        config: dict[str, Any] = {"kernel": "built on first call", "fallbacks": fallbacks}
         ctx.set_config(config)
-        record = ctx.record
-        fallbacks = self.fallbacks
+        count = ctx.count  # bound once: the wrappers' hot path
         first = [True]
 
         def note_kernel() -> None:
@@ -78,7 +76,7 @@ class ImNormalize(FeatureImpl):
             config["kernel"] = "compiled" if kernels.failure() is None else f"unavailable: {kernels.failure()}"
 
         def make(name: str, fast: Callable[..., tuple[Any, str]]) -> Callable[..., Any]:
-            original = self._originals[name]
+            original = originals[name]
 
             def wrapper(img: Any, mean: Any, std: Any, to_rgb: bool = True) -> Any:
                 try:
@@ -90,7 +88,7 @@ class ImNormalize(FeatureImpl):
                 if out is None:
                     fallbacks[why] = fallbacks.get(why, 0) + 1
                     return original(img, mean, std, to_rgb)
-                record.calls += 1  # the Summary's '*': the kernel ran
+                count()  # the Summary's '*': the kernel ran
                 return out
 
             wrapper.__name__ = original.__name__
@@ -101,16 +99,12 @@ class ImNormalize(FeatureImpl):
             wrapper.__loongkit_original__ = original  # type: ignore[attr-defined]
             return wrapper
 
-        self._wrappers = {"imnormalize": make("imnormalize", ops.imnormalize),
-                          "imnormalize_": make("imnormalize_", ops.imnormalize_)}
-        n = rebind(self._originals, self._wrappers, ctx.patcher.patch)
+        wrappers = {"imnormalize": make("imnormalize", ops.imnormalize),
+                    "imnormalize_": make("imnormalize_", ops.imnormalize_)}
+        # Re-exports bound while the package was still importing (mmcv.image, mmcv copy the wrappers
+        # from this module after this hook ran) are not in the patcher's record: deferred first, this
+        # runs last at undo and puts the originals back wherever a wrapper is still bound.
+        ctx.patcher.defer(lambda: rebind(wrappers, originals, setattr))
+        n = rebind(originals, wrappers, ctx.patcher.patch)
         ctx.detail("bindings_patched", n)
         ctx.log.info("mmcv imnormalize routed to the loongkit kernel", target=target, bindings=n)
-
-    def deactivate(self, ctx: ActivationContext) -> None:
-        ctx.patcher.undo()
-        # Re-exports bound while the package was importing (mmcv.image, mmcv) are not in the
-        # patcher's record: put the originals back wherever a wrapper is still bound.
-        if self._wrappers:
-            rebind(self._wrappers, self._originals, setattr)
-        self._wrappers = {}

@@ -79,12 +79,17 @@ class Malloc(FeatureImpl):
         super().__init__(feature)
         self.probe: tuple[int, int] | None = None
         self.faults_at_boot = 0
+        self._options: MallocOptions | None = None
 
     def activate(self, ctx: ActivationContext, target: str | None) -> None:
-        options = ctx.config if isinstance(ctx.config, MallocOptions) else MallocOptions()
+        # ctx.config is the parsed options until set_config shows what was done instead: kept for an
+        # activation after an undo.
+        if isinstance(ctx.config, MallocOptions):
+            self._options = ctx.config
+        options = self._options or MallocOptions()
         wanted = options.allocator
         if ctx.env.process.role != "main":
-            ctx.record.reason = "not a training process"
+            ctx.waiting("not a training process")
             return
         preloaded = allocator.preloaded_allocator(ctx.env.environ)
         if preloaded is not None:
@@ -92,7 +97,7 @@ class Malloc(FeatureImpl):
             if preloaded != wanted:
                 ctx.log.warning("another allocator is preloaded; kept", preloaded=preloaded, requested=wanted)
             ctx.log.info("allocator library preloaded in this process", allocator=preloaded)
-            ctx.mark_active()
+            ctx.count()
             return
         config: dict[str, object] = {"allocator": "glibc"}
         if wanted != "glibc":
@@ -103,10 +108,11 @@ class Malloc(FeatureImpl):
                 config["requested"] = f"{wanted} (not installed)"
             else:
                 changes = allocator.preload_environ(path, wanted, os.environ)
-                os.environ.update(changes)  # inherited by every child this process starts
+                for key, value in changes.items():  # inherited by every child this process starts
+                    ctx.patcher.set_item(os.environ, key, value)
                 config["children"] = {"allocator": wanted, **changes}
-                ctx.record.reason = (f"{wanted} takes effect in child processes; to preload it here, start "
-                                     "with LD_PRELOAD (see `loongkit malloc-env`)")
+                ctx.waiting(f"{wanted} takes effect in child processes; to preload it here, start "
+                            "with LD_PRELOAD (see `loongkit malloc-env`)")
                 ctx.log.info("allocator preloaded for child processes; this process keeps glibc (tuned)",
                              allocator=wanted, **changes)
         reason = allocator.glibc_reason()
@@ -114,6 +120,9 @@ class Malloc(FeatureImpl):
             raise NotApplicable(reason)
         self.faults_at_boot = allocator.minor_faults()
         default_faults = probe_faults(cycles=1)
+        # Not undone by deactivate: glibc has no way to read the values in force, and a fixed
+        # mmap threshold turns its dynamic one off for good (nothing to restore it with). The
+        # environment changes above are undone (ctx.patcher.set_item).
         result = allocator.apply_glibc()
         tuned_faults = probe_faults()
         _trim()  # give the probe's block back: the tuning keeps later temporaries, not this one
@@ -125,7 +134,7 @@ class Malloc(FeatureImpl):
         if result.refused:
             ctx.log.warning("glibc refused some mallopt values", refused=result.refused)
         if result.applied:
-            ctx.mark_active()
+            ctx.count()
 
     def summary_lines(self) -> list[str]:
         if self.probe is None:

@@ -306,19 +306,16 @@ class PrefetchReport:
         self.ctx = ctx
         self.what = what  # "runner" or "loop", for the log
         self._skipped: set[str] = set()
+        self.on_copied: Callable[[], None] = ctx.count  # bound once: called per prefetched batch
 
     def on_skip(self, reason: str) -> None:
         if reason not in self._skipped:  # one log line per distinct reason
             self._skipped.add(reason)
             self.ctx.log.info(f"{self.what} left without prefetch", reason=reason)
-        if not self.ctx.record.calls:
-            self.ctx.record.reason = f"not prefetching: {reason}"
+        if not self.ctx.calls:
+            self.ctx.waiting(f"not prefetching: {reason}")
 
     def on_fault(self, exc: BaseException) -> None:
         self.ctx.log.warning("device copy failed; the rest of this pass runs without prefetch",
                              error=f"{type(exc).__name__}: {exc}")
-        self.ctx.record.reason = f"a device copy failed ({type(exc).__name__}); that pass ran without prefetch"
-
-    def on_copied(self) -> None:
-        self.ctx.record.calls += 1
-
+        self.ctx.fallback(f"a device copy failed ({type(exc).__name__}); that pass ran without prefetch")

@@ -13,9 +13,11 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import inspect
 import time
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from loongkit_core import workers
@@ -76,12 +78,10 @@ class PytorchMemory(FeatureImpl):
         self.skipped: dict[str, str] = {}
         self.iterators = 0
         self.config: dict[str, Any] = {}
-        self.enabled = True  # the worker callback cannot be unregistered; deactivate turns it off
 
     # -- activation ----------------------------------------------------------------------------
     def activate(self, ctx: ActivationContext, target: str | None) -> None:
         self.ctx = ctx
-        self.enabled = True
         reason = allocator.glibc_reason()
         self.config = {"worker_malloc": {k: allocator._human(v) if k != "arena_max" else v
                                          for k, v in allocator.GLIBC_TUNING.items()}
@@ -89,7 +89,12 @@ class PytorchMemory(FeatureImpl):
                        "serialize": f"fork workers, lists of >= {MIN_RECORDS} dicts/tuples"}
         if reason is not None:
             ctx.log.info("worker malloc tuning skipped", reason=reason)
-        workers.on_worker_start(self._worker_start, owner=self.feature.name)
+        # A worker callback cannot be unregistered: this activation's one runs while its switch is
+        # on, which ctx.patcher.assign turns on and the default deactivate off again.
+        switch = SimpleNamespace(on=False)
+        ctx.patcher.assign(switch, "on", True)
+        workers.on_worker_start(lambda worker_id: self._worker_start(worker_id) if switch.on else None,
+                                owner=self.feature.name)
         if ctx.env.process.role != "main":
             ctx.set_config(self.config)
             return  # a spawned worker: the callback above is all it needs
@@ -106,7 +111,10 @@ class PytorchMemory(FeatureImpl):
             if changed is not None:
                 self.config["nofile"] = f"{changed[0]}->{changed[1]}"
                 ctx.log.info("raised RLIMIT_NOFILE soft limit", before=changed[0], after=changed[1], hard=changed[2])
-                ctx.mark_active()
+                # Undo lowers the soft limit back (always allowed; fds already open stay open).
+                ctx.patcher.defer(functools.partial(resource.setrlimit, resource.RLIMIT_NOFILE,
+                                                    (changed[0], changed[2])))
+                ctx.count()
             else:
                 self.config["nofile"] = f"{soft} (already the hard limit)"
                 ctx.log.info("RLIMIT_NOFILE soft limit already at the hard limit", soft=soft, hard=hard)
@@ -149,7 +157,7 @@ class PytorchMemory(FeatureImpl):
         assert ctx is not None
         self.iterators += 1
         if allocator.glibc_reason() is None:
-            ctx.mark_active()  # these workers get the malloc tuning
+            ctx.count()  # these workers get the malloc tuning
         method = start_method(loader)
         if method != "fork":
             self._skip("dataset", f"start method {method}: workers get a pickled copy, no copy-on-read")
@@ -157,7 +165,7 @@ class PytorchMemory(FeatureImpl):
         live = self.convert(loader.dataset)
         if live:
             gc.freeze()
-            ctx.mark_active()
+            ctx.count()
             return True
         return False
 
@@ -203,6 +211,9 @@ class PytorchMemory(FeatureImpl):
                 self._skip(where, f"records not picklable ({type(exc).__name__}: {exc})")
                 continue
             try:
+                # Not through ctx.patcher: undo would need the original list kept alive in the parent,
+                # which is what serializing frees; the proxy behaves as the list did (and turns back
+                # into a real one when user code mutates it).
                 setattr(obj, name, proxy)
             except Exception as exc:
                 self._skip(where, f"cannot set the attribute ({type(exc).__name__})")
@@ -236,21 +247,15 @@ class PytorchMemory(FeatureImpl):
 
     # -- in each worker ----------------------------------------------------------------------------
     def _worker_start(self, worker_id: int) -> None:
-        if not self.enabled:
-            return
         result = allocator.apply_glibc()
         worker_state.clear()
         worker_state.update(worker_id=worker_id, malloc=result.to_config())
         if self.ctx is not None:
-            self.ctx.mark_active()
+            self.ctx.count()
             if result.skipped:
                 self.ctx.log.info("worker malloc tuning skipped", worker=worker_id, reason=result.skipped)
             else:
                 self.ctx.log.debug("worker malloc tuned", worker=worker_id, **result.to_config())
-
-    def deactivate(self, ctx: ActivationContext) -> None:
-        self.enabled = False
-        super().deactivate(ctx)
 
     def summary_lines(self) -> list[str]:
         import resource

@@ -106,6 +106,26 @@ def test_installed_library_is_exported_for_children(monkeypatch: pytest.MonkeyPa
     assert "child processes" in reason
 
 
+def test_malloc_undo_restores_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(allocator, "find_library", lambda kind, *a: f"/opt/lib/lib{kind}.so.2")
+    monkeypatch.setenv("LD_PRELOAD", "/opt/other.so")
+    monkeypatch.delenv("MALLOC_CONF", raising=False)
+
+    def run() -> Any:  # in a fork: mallopt (which is not undone: glibc cannot read it back) stays there
+        seen = []
+        impl, ctx = activate({"LOONGKIT_MALLOC_ALLOCATOR": "jemalloc"})
+        for again in (False, True):
+            if again:
+                impl.activate(ctx, None)
+            seen.append((os.environ["LD_PRELOAD"], os.environ.get("MALLOC_CONF"), ctx.calls > 0))
+            impl.deactivate(ctx)
+            seen.append((os.environ["LD_PRELOAD"], os.environ.get("MALLOC_CONF"), len(ctx.patcher)))
+        return seen
+
+    on = ("/opt/lib/libjemalloc.so.2:/opt/other.so", allocator.JEMALLOC_CONF, True)
+    assert forked(run) == [on, ("/opt/other.so", None, 0), on, ("/opt/other.so", None, 0)]
+
+
 def test_non_glibc_is_not_applicable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(allocator, "libc_name", lambda: ("musl", ""))
     with pytest.raises(NotApplicable, match="musl"):

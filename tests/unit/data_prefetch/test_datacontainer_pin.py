@@ -148,6 +148,63 @@ def test_patch_builder_rebinds_modules_that_imported_it(monkeypatch: pytest.Monk
         datacontainer.patch_builder(patcher, types.ModuleType("mmdet.datasets.builder"), wrapper)
 
 
+def test_feature_default_deactivate_restores_and_reapplies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DataContainerPin on stand-ins for mmcv.parallel and mmdet's builder: the default deactivate
+    (ctx.patcher.undo(), no override) removes pin_memory, rebinds the builders, and turns the wrapper
+    a module copied by name into a call-through; activating again wraps the original (not the old
+    wrapper) and rebinds that module too."""
+    from loongkit_data.plugin import plugin
+
+    from loongkit_core.context import ActivationContext
+    from loongkit_core.kit import FeatureImpl
+
+    assert datacontainer.DataContainerPin.deactivate is FeatureImpl.deactivate
+    cls = type("DataContainer", (DataContainer,), {})
+    parallel = types.ModuleType("mmcv.parallel")
+    parallel.DataContainer = cls  # type: ignore[attr-defined]
+
+    def build_dataloader(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        return kwargs
+
+    builder = types.ModuleType("mmdet.datasets.builder")
+    builder.build_dataloader = build_dataloader  # type: ignore[attr-defined]
+    pkg = types.ModuleType("mmdet.datasets")
+    pkg.build_dataloader = build_dataloader  # type: ignore[attr-defined]
+    train = types.ModuleType("mmdet.apis.train")  # imported later: copies the wrapper by name
+    for name, module in (("mmcv", types.ModuleType("mmcv")), ("mmcv.parallel", parallel),
+                         ("mmdet.datasets.builder", builder), ("mmdet.datasets", pkg)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.delitem(sys.modules, "mmdet.apis.train", raising=False)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)  # pinning possible: the wrapper pins
+    pins = {"dist": False, "pin_memory": True}
+
+    feature = plugin.feature("data_container")
+    impl = datacontainer.DataContainerPin(feature)
+    ctx = ActivationContext.standalone(feature)
+    impl.activate(ctx, "mmcv.parallel")
+    assert callable(cls.pin_memory)
+    first = builder.build_dataloader
+    assert first is pkg.build_dataloader and first.__wrapped__ is build_dataloader and first(dist=False) == pins
+    train.build_dataloader = first  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "mmdet.apis.train", train)
+    impl.deactivate(ctx)
+    assert not hasattr(cls, "pin_memory") and len(ctx.patcher) == 0
+    assert builder.build_dataloader is build_dataloader and pkg.build_dataloader is build_dataloader
+    assert train.build_dataloader is first and first(dist=False) == {"dist": False}  # off: calls through
+
+    impl.activate(ctx, "mmcv.parallel")
+    second = builder.build_dataloader
+    assert second is not first and second.__wrapped__ is build_dataloader  # not a wrapper of a wrapper
+    assert pkg.build_dataloader is second and train.build_dataloader is second and second(dist=False) == pins
+    assert ctx.config == {"DataContainer.pin_memory": True,
+                          "build_dataloader": ["mmdet.datasets.builder", "mmdet.datasets", "mmdet.apis.train"]}
+    impl.deactivate(ctx)
+    assert not hasattr(cls, "pin_memory")
+    assert (builder.build_dataloader, pkg.build_dataloader, train.build_dataloader) == (build_dataloader,
+                                                                                        build_dataloader, first)
+    assert first(dist=False) == second(dist=False) == {"dist": False}
+
+
 # -- mmcv 1.x runners ----------------------------------------------------------------------------------
 class IterLoader:
     """mmcv 1.x IterLoader: restarts its DataLoader at the end, counting epochs."""
