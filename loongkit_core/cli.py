@@ -15,17 +15,32 @@ from loongkit_core.runtime import Runtime
 
 
 def _runtime(environ: dict[str, str] | None = None) -> Runtime:
-    """A runtime that resolves but arms nothing and logs only errors, to stderr."""
+    """A runtime that resolves but arms nothing. Its log records (a plugin's fault with its traceback, the
+    warnings) go where every process's go, by LOONGKIT_LOGDIR and LOONGKIT_LOGLEVEL; a ``stdout``
+    destination becomes stderr, as stdout holds the command's own output (``--json``)."""
     env = dict(os.environ if environ is None else environ)
     rt = Runtime(env, arm=False)
-    rt.boot(configure_logging=False)
+    to_stdout = (rt.settings.logdir or "").strip().lower() == "stdout"
+    rt.boot(logdir="stderr" if to_stdout else None)
     return rt
 
 
+def _fault_lines(rt: Runtime, prefix: str) -> list[str]:
+    """One line per plugin fault for the command's own report; the traceback is in the log, once."""
+    where = log.log_path() or (rt.destination.kind if rt.destination else "stderr")
+    return [f"{prefix}plugin {f.plugin} ({f.where}{', feature ' + f.feature if f.feature else ''}): {f.error}"
+            f" (traceback in {where})" for f in rt.manager.faults]
+
+
 def _would_apply(rt: Runtime) -> dict[str, str]:
-    """For every feature: "yes" or the reason it would not apply here."""
+    """For every feature: "yes" or the reason it would not apply here. Features the boot resolved already
+    keep that verdict (probing them again would repeat their detect hook, and any fault of it)."""
     verdicts = {}
     for name, record in rt.records.items():
+        if record.enabled and record.state != State.DISABLED:
+            verdicts[name] = ("yes" if record.state == State.ARMED
+                              else f"{record.state.value}: {record.reason}")
+            continue
         probe = type(record)(record.feature, enabled=True)
         rt.records[name] = probe
         rt._resolve_applicable(probe)
@@ -35,7 +50,7 @@ def _would_apply(rt: Runtime) -> dict[str, str]:
 
 
 def cmd_features(args: argparse.Namespace) -> int:
-    rt = _runtime()
+    rt = args.runtime or _runtime()
     verdicts = _would_apply(rt)
     rows = []
     for name, record in sorted(rt.records.items(), key=lambda kv: (kv[1].feature.category.value, kv[0])):
@@ -66,8 +81,8 @@ def cmd_features(args: argparse.Namespace) -> int:
                   + ("  [enabled now]" if r["enabled_now"] else ""))
             if r["options"]:
                 print(f"      options: {', '.join(r['options'])}")
-    for fault in rt.manager.faults:
-        print(f"!! plugin {fault.plugin} ({fault.where}): {fault.error}")
+    for line in _fault_lines(rt, "!! "):
+        print(line)
     return 0
 
 
@@ -102,7 +117,7 @@ def _cpulist(cpus: frozenset[int]) -> str:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    report = doctor_report(_runtime())
+    report = doctor_report(args.runtime or _runtime())
     if args.json:
         print(json.dumps(report, indent=2, default=str))
         return 0
@@ -111,12 +126,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_info(command: Sequence[str], environ: dict[str, str] | None = None) -> int:
+def print_info(command: Sequence[str], environ: dict[str, str] | None = None, rt: Runtime | None = None) -> int:
     """``loongkit-run --info``: what loongkit would do for this command in this environment."""
-    rt = _runtime(environ)
+    rt = rt or _runtime(environ)
     print(f"command: {' '.join(command) or '(none)'}")
     print(f"settings: {rt.settings.model_dump()}")
-    for warning in rt.settings_warnings + rt.check_unknown_variables():
+    for warning in rt.warnings:  # every warning the boot gave: settings, switches, options, names
         print(f"warning: {warning}")
     enabled = [r for r in rt.records.values() if r.enabled]
     if not enabled:
@@ -127,8 +142,8 @@ def print_info(command: Sequence[str], environ: dict[str, str] | None = None) ->
         targets = f" on import of {', '.join(record.feature.targets)}" if record.feature.targets else " at start"
         print(f"  {record.feature.name:<24} ({how}) {state}{targets if record.state == State.ARMED else ''}")
         print(f"  {'':<24} config: {record.config if record.config is not None else 'None'}")
-    for fault in rt.manager.faults:
-        print(f"fault: plugin {fault.plugin} ({fault.where}): {fault.error}")
+    for line in _fault_lines(rt, "fault: "):
+        print(line)
     return 0
 
 
@@ -146,21 +161,25 @@ def build_parser(rt: Runtime | None = None) -> argparse.ArgumentParser:
     p.set_defaults(func=lambda a: print(os.path.join(os.path.dirname(__file__), "prelude")) or 0)
     p = sub.add_parser("info", help="what loongkit would do in this environment (as loongkit-run --info)")
     p.add_argument("cmd", nargs=argparse.REMAINDER)
-    p.set_defaults(func=lambda a: print_info(a.cmd))
+    p.set_defaults(func=lambda a: print_info(a.cmd, rt=a.runtime))
     from loongkit_core import bench, compare
 
     compare.add_parser(sub)
     bench.add_parser(sub)
     if rt is not None:
         rt.manager.call_each("loongkit_add_cli", subparsers=sub)
+    parser.set_defaults(runtime=rt)  # the commands reuse it: one boot, so each fault is logged once
     return parser
+
+
+# The core's own commands that need no plugin; every other invocation (``--help`` included) boots once,
+# so that plugins' subcommands (``loongkit numa plan``, ``loongkit malloc-env``) exist and are listed.
+_NO_PLUGINS = ("prelude-path", "compare", "bench")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    rt = None
-    if argv and argv[0] not in ("prelude-path", "compare", "bench", "-h", "--help"):
-        rt = _runtime()  # plugins may add subcommands
+    rt = None if argv and argv[0] in _NO_PLUGINS else _runtime()
     parser = build_parser(rt)
     args = parser.parse_args(argv)
     result = args.func(args)

@@ -35,9 +35,9 @@ class State(str, enum.Enum):
     FAILED = "failed"  # raised while detecting, validating or activating
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Feature:
-    """A feature declared by a plugin.
+    """A feature declared by a plugin, always by keyword (``Feature(name=..., env=..., ...)``).
 
     ``name`` is the lower-case key used in the Summary (``allow_tf32``); ``env`` the variable
     that switches it (``LOONGKIT_ALLOW_TF32``). ``requires`` lists version requirements of

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from typing import Any
 
 from loongkit_core._boot import PRELUDE_DIR, _same_dir
 
@@ -30,11 +31,18 @@ def child_environ(environ: dict[str, str]) -> dict[str, str]:
     return env
 
 
+class LaunchStrictError(RuntimeError):
+    """A plugin's ``loongkit_launch_environment`` failed under ``LOONGKIT_STRICT=1``."""
+
+
 def plugin_environ(env: dict[str, str]) -> dict[str, str]:
     """Variables that enabled features need set before the command starts (``loongkit_launch_environment``).
 
-    Only when a feature is requested: otherwise the launcher stays as cheap as a plain exec. A fault
-    here is reported on stderr and the command runs without the extra variables.
+    Only when a feature is requested: otherwise the launcher stays as cheap as a plain exec. The probe's
+    boot reports nothing: the command boots the same plugins and logs their faults (an ``impl`` typo) in
+    its own log and Summary, once. What only the launcher sees, a launch-environment hook's fault and the
+    variables set, is logged where the command's log records go (the same file: ``exec`` keeps the pid).
+    A fault leaves the command to run without that plugin's variables (``LOONGKIT_STRICT=1``: exit 3).
     """
     from loongkit_core import _boot
 
@@ -44,8 +52,11 @@ def plugin_environ(env: dict[str, str]) -> dict[str, str]:
         from loongkit_core.runtime import Runtime
 
         rt = Runtime(env, arm=False)
+        rt.manager.on_fault = None  # collected, not logged: the command reports its own boot's faults
         rt.boot(configure_logging=False)
+        booted = len(rt.manager.faults)
         out = dict(env)
+        chosen: list[tuple[str, str, str]] = []
         for plugin, extra in rt.manager.call_each("loongkit_launch_environment", records=list(rt.records.values()),
                                                   environ=env):
             for key, value in dict(extra).items():
@@ -54,12 +65,31 @@ def plugin_environ(env: dict[str, str]) -> dict[str, str]:
                     out[key] = ":".join(parts)
                 elif key not in env:
                     out[key] = str(value)
-                if rt.settings.loglevel in ("debug", "info"):
-                    sys.stderr.write(f"loongkit-run: {key}={out.get(key)} (plugin {plugin})\n")
-        return out
+                chosen.append((key, out.get(key, ""), plugin))
     except Exception as exc:
         sys.stderr.write(f"loongkit-run: launch environment skipped ({type(exc).__name__}: {exc})\n")
         return env
+    faults = rt.manager.faults[booted:]
+    if chosen or faults:
+        _log_launch(rt, chosen, faults)
+    if faults and rt.settings.strict:
+        fault = faults[0]
+        raise LaunchStrictError(f"loongkit plugin {fault.plugin!r} failed in {fault.where}: {fault.error}")
+    return out
+
+
+def _log_launch(rt: Any, chosen: list[tuple[str, str, str]], faults: list[Any]) -> None:
+    """Log what the launcher did to the command's log destination (LOONGKIT_LOGDIR, LOONGKIT_LOGLEVEL)."""
+    from loongkit_core import log
+
+    log.configure(rt.settings.loglevel, rt.settings.logdir, rt.process)
+    logger = log.get_logger("loongkit.launcher")
+    for key, value, plugin in chosen:
+        logger.info("launch variable", variable=key, value=value, plugin=plugin)
+    for fault in faults:
+        logger.error("plugin fault", plugin=fault.plugin, where=fault.where, error=fault.error,
+                     traceback=fault.traceback)
+    log.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args:
         sys.stderr.write(USAGE)
         return 2
-    env = plugin_environ(child_environ(dict(os.environ)))
+    try:
+        env = plugin_environ(child_environ(dict(os.environ)))
+    except LaunchStrictError as exc:
+        sys.stderr.write(f"loongkit-run (LOONGKIT_STRICT=1): {exc}\n")
+        return 3
     program = args[0]
     path = program if os.sep in program else shutil.which(program, path=env.get("PATH"))
     if path is None:

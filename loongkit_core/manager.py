@@ -49,6 +49,11 @@ class PluginManager:
     plugins: dict[str, LoadedPlugin] = field(default_factory=dict)
     faults: list[Fault] = field(default_factory=list)
     on_fault: Callable[[Fault], None] | None = None
+    # LOONGKIT_DISABLE_PLUGINS: installed plugins left unloaded (entry-point name -> distribution), and
+    # names that matched no installed plugin. Nothing of a disabled plugin is imported.
+    disabled: dict[str, str] = field(default_factory=dict)
+    disabled_unmatched: list[str] = field(default_factory=list)
+    installed: list[str] = field(default_factory=list)  # every entry-point name found, loaded or not
 
     def __post_init__(self) -> None:
         self.pm.add_hookspecs(hookspecs)
@@ -71,12 +76,15 @@ class PluginManager:
             return
         seen: set[str] = set()
         for ep in sorted(eps, key=lambda e: e.name):
-            if ep.name in seen or (disabled and ep.name in disabled):
+            if ep.name in seen:
                 continue
             seen.add(ep.name)
             dist = getattr(ep, "dist", None)
             dist_name = getattr(dist, "name", "") or ""
             version = getattr(dist, "version", "") or ""
+            if disabled and ep.name in disabled:
+                self.disabled[ep.name] = dist_name
+                continue
             try:
                 obj = ep.load()
             except BaseException as exc:
@@ -85,6 +93,8 @@ class PluginManager:
                 self.fault(ep.name, "load", exc)
                 continue
             self.register(ep.name, obj, dist_name, version)
+        self.installed = sorted(seen)
+        self.disabled_unmatched = sorted((disabled or set()) - seen)
 
     def register(self, name: str, obj: Any, distribution: str = "", version: str = "") -> bool:
         """Register a plugin object or module; refuse one built for an incompatible core."""

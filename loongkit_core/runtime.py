@@ -25,7 +25,7 @@ from loongkit_core import summary as summary_mod
 from loongkit_core.context import ActivationContext, Environment, NotApplicable
 from loongkit_core.feature import Feature, FeatureRecord, PolicyDecision, State
 from loongkit_core.manager import Fault, PluginManager
-from loongkit_core.settings import CORE_VARIABLES, CoreSettings, bool_or_none, load_settings
+from loongkit_core.settings import CORE_VARIABLES, CoreSettings, bool_or_none, is_unset, load_settings
 
 
 class LoongkitStrictError(RuntimeError):
@@ -43,6 +43,7 @@ class Runtime:
                  process: process_mod.ProcessInfo | None = None) -> None:
         self.environ: Mapping[str, str] = os.environ if environ is None else environ
         self.settings, self.settings_warnings = load_settings(CoreSettings, environ=environ)
+        self.warnings: list[str] = []  # every warning of the boot, in order (``loongkit-run --info`` shows them)
         self.process = process or process_mod.detect()
         self.manager = PluginManager(on_fault=self._on_fault)
         self.records: dict[str, FeatureRecord] = {}
@@ -68,20 +69,24 @@ class Runtime:
             raise LoongkitStrictError(f"loongkit plugin {fault.plugin!r} failed in {fault.where}: {fault.error}")
 
     # -- boot ----------------------------------------------------------------------------------
-    def boot(self, configure_logging: bool = True) -> Runtime:
-        """Load plugins and resolve every feature; ``configure_logging=False`` (CLI) logs errors to stderr."""
+    def boot(self, configure_logging: bool = True, logdir: str | None = None) -> Runtime:
+        """Load plugins and resolve every feature; ``configure_logging=False`` logs errors to stderr (tests);
+        ``logdir`` replaces LOONGKIT_LOGDIR (the CLI keeps its stdout for its own output)."""
         start = time.perf_counter()
         if configure_logging:
-            destination = self.destination = log.configure(self.settings.loglevel, self.settings.logdir, self.process)
+            destination = self.destination = log.configure(self.settings.loglevel, logdir or self.settings.logdir,
+                                                           self.process)
         else:
             destination = log.configure("error", "stderr", self.process)
         self.log = log.get_logger("loongkit.core")
         self.log.info("loongkit boot", role=self.process.role, argv=list(getattr(sys, "orig_argv", sys.argv)),
                       log=destination.kind)
         for warning in self.settings_warnings:
-            self.log.warning(warning)
+            self._warn(warning)
         disabled = {p.strip() for p in self.settings.disable_plugins.split(",") if p.strip()}
         self.manager.load_entry_points(disabled)
+        for name in self.manager.disabled:
+            self.log.info(f"plugin {name} disabled by LOONGKIT_DISABLE_PLUGINS")
         self.declare()
         self.check_unknown_variables()
         self.resolve()
@@ -121,19 +126,40 @@ class Runtime:
             known.update(record.feature.options)
         return known
 
-    def check_unknown_variables(self) -> list[str]:
-        """A LOONGKIT_* variable nobody reads gets a did-you-mean warning."""
+    def unread_variables(self) -> list[str]:
+        """LOONGKIT_* variables set (not empty) that neither the core nor a loaded plugin reads."""
         known = self.known_variables()
+        return [name for name in sorted(self.environ)
+                if name.startswith("LOONGKIT_") and name not in known and not is_unset(self.environ[name])]
+
+    def disabled_plugins_note(self) -> str:
+        return "; ".join(f"plugin {name} disabled by LOONGKIT_DISABLE_PLUGINS" for name in self.manager.disabled)
+
+    def check_unknown_variables(self) -> list[str]:
+        """A LOONGKIT_* variable nobody reads gets a did-you-mean warning. With a plugin disabled, its
+        variables cannot be told from typos (entry-point metadata does not list them, and a disabled
+        plugin is not imported), so they are named as read by no loaded plugin, with no guess."""
+        known = sorted(self.known_variables())
+        unread = self.unread_variables()
         warnings = []
-        for name in sorted(self.environ):
-            if not name.startswith("LOONGKIT_") or name in known:
-                continue
-            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
-            hint = f"; did you mean {close[0]}?" if close else ""
-            warnings.append(f"unknown variable {name}{hint}")
+        if self.manager.disabled:
+            if unread:
+                warnings.append(f"read by no loaded plugin: {', '.join(unread)} ({self.disabled_plugins_note()})")
+        else:
+            for name in unread:
+                close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                warnings.append(f"unknown variable {name}{hint}")
+        for name in self.manager.disabled_unmatched:
+            warnings.append(f"LOONGKIT_DISABLE_PLUGINS names {name}: no such plugin "
+                            f"(installed: {', '.join(self.manager.installed) or 'none'})")
         for warning in warnings:
-            self.log.warning(warning)
+            self._warn(warning)
         return warnings
+
+    def _warn(self, message: str, **context: Any) -> None:
+        self.warnings.append(message)
+        self.log.warning(message, **context)
 
     def resolve(self) -> None:
         """Decide for every feature: enabled? applicable? configured? then armed."""
@@ -184,8 +210,8 @@ class Runtime:
         feature = record.feature
         value, invalid = bool_or_none(self.environ.get(feature.env))
         if invalid:
-            self.log.warning(f"{feature.env}={self.environ.get(feature.env)!r} is invalid "
-                             "(not one of 1/on/yes/0/off/no); using the default (unset)")
+            self._warn(f"{feature.env}={self.environ.get(feature.env)!r} is invalid "
+                       "(not one of 1/on/yes/0/off/no); using the default (unset)")
         policy = self.policies.get(feature.name)
         if policy is not None:
             record.policy = policy.reason
@@ -223,7 +249,7 @@ class Runtime:
             config, warnings = result
             record.config = config
             for warning in warnings:
-                self.log.warning(warning, feature=feature.name)
+                self._warn(warning, feature=feature.name)
         record.state = State.ARMED
 
     def _owner_call(self, record: FeatureRecord, hook: str, **kwargs: Any) -> Any:
@@ -327,6 +353,10 @@ class Runtime:
                 policy_off.setdefault(record.reason.split(": ", 1)[1], []).append(record.feature.name)
         for reason, names in policy_off.items():  # LOONGKIT_ALL would have enabled them: say why not
             extra.append(f"Off by hardware policy: {', '.join(names)} ({reason})")
+        if self.manager.disabled:  # why a requested feature may be missing above
+            unread = self.unread_variables()
+            extra.append(self.disabled_plugins_note() + (f"; read by no loaded plugin: {', '.join(unread)}"
+                                                         if unread else ""))
         for _, lines in self.manager.call_each("loongkit_summary", records=list(self.records.values())):
             extra.extend(str(line) for line in lines)
         return summary_mod.render(list(self.records.values()), self.manager.faults, extra, log.log_path())

@@ -5,7 +5,9 @@ Rules (from the product documentation):
 * bools accept ``1``/``on``/``yes`` and ``0``/``off``/``no``, case-insensitively; any other value is
   "undefined" and reverts to the default (we also log one warning naming the variable);
 * ``LOONGKIT_LOGLEVEL`` accepts debug/info/warning/error/critical case-insensitively, else warning;
-* ``LOONGKIT_ALL`` is a level 0-3; anything else reverts to 0 with a warning.
+* ``LOONGKIT_ALL`` is a level 0-3; anything else reverts to 0 with a warning;
+* an empty (or all-blank) value means unset, for every variable (core settings, feature switches,
+  plugin options): the default, and no warning. ``LOONGKIT_X=`` is how scripts clear a variable.
 
 A bad value never raises out of loongkit: every field falls back to its own default on its own.
 """
@@ -53,9 +55,14 @@ def parse_bool(value: object) -> bool:
     raise ValueError(f"{value!r} is not one of 1/on/yes/0/off/no")
 
 
+def is_unset(value: str | None) -> bool:
+    """The one rule for every LOONGKIT_* variable: absent, empty or all blank means unset."""
+    return value is None or not value.strip()
+
+
 def bool_or_none(value: str | None) -> tuple[bool | None, bool]:
     """Parse an optional bool variable: (value or None when unset/undefined, was_it_invalid)."""
-    if value is None:
+    if is_unset(value):
         return None, False
     try:
         return parse_bool(value), False
@@ -75,6 +82,14 @@ def _parse_level(value: object) -> object:
 LkBool = Annotated[bool, BeforeValidator(parse_bool)]
 """A bool field with the seed's rule."""
 
+# Models loaded through load_settings() while recording (loongkit_core.testing.conformance: which
+# variables a feature's configure step really reads).
+_loaded: contextvars.ContextVar[list[type[LoongkitSettings]] | None] = contextvars.ContextVar(
+    "loongkit_settings_loaded", default=None)
+
+# Set by load_settings(): build the model from the values it passes, not from pydantic-settings' sources.
+_values_only: contextvars.ContextVar[bool] = contextvars.ContextVar("loongkit_settings_values_only", default=False)
+
 # Warnings raised while loading a settings model, collected by load_settings().
 _warnings: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("loongkit_settings_warnings",
                                                                                default=None)
@@ -92,7 +107,9 @@ class LoongkitSettings(BaseSettings):
     that fails validation takes its default and records one warning instead of raising.
     """
 
-    model_config = SettingsConfigDict(env_prefix="LOONGKIT_", extra="ignore", case_sensitive=False)
+    # env_ignore_empty: a model built directly (``Options()``) treats ``LOONGKIT_X=`` as unset too.
+    model_config = SettingsConfigDict(env_prefix="LOONGKIT_", extra="ignore", case_sensitive=False,
+                                      env_ignore_empty=True)
     # Fields whose variable was set but invalid (they hold their default).
     invalid_fields: ClassVar[frozenset[str]] = frozenset()
 
@@ -111,6 +128,15 @@ class LoongkitSettings(BaseSettings):
                 sink.append(f"{var}={_raw(value)} is invalid ({reason}); using the default {default!r}")
                 sink.append(f"\0invalid:{info.field_name}")
             return default
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: Any, env_settings: Any,
+                                   dotenv_settings: Any, file_secret_settings: Any) -> tuple[Any, ...]:
+        # load_settings() reads the variables itself and passes them in: pydantic-settings must not
+        # add os.environ's on top (an explicit ``environ`` would otherwise leak the real environment).
+        if _values_only.get():
+            return (init_settings,)
+        return (init_settings, env_settings, dotenv_settings, file_secret_settings)
 
     @classmethod
     def env_name(cls, field_name: str) -> str:
@@ -135,34 +161,35 @@ def load_settings(
     ``defaults`` replace field defaults where the variable is unset or invalid (hardware policy).
     ``environ`` (tests, ``--info``) is read instead of ``os.environ``.
     """
+    env = os.environ if environ is None else environ
+    # Read the variables here rather than through pydantic-settings' own sources, so that os.environ
+    # and an explicit mapping follow the same rules (names case-insensitive, empty = unset).
+    names = {cls.env_name(name): name for name in cls.model_fields}
+    values = {names[k.upper()]: v for k, v in env.items() if k.upper() in names and not is_unset(v)}
     sink: list[str] = []
-    token = _warnings.set(sink)
+    token, only = _warnings.set(sink), _values_only.set(True)
     try:
-        if environ is None:
-            settings = cls()
-        else:
-            names = {cls.env_name(name): name for name in cls.model_fields}
-            values = {names[k.upper()]: v for k, v in environ.items() if k.upper() in names}
-            settings = cls.model_validate(values)
+        settings = cls.model_validate(values)
     finally:
+        _values_only.reset(only)
         _warnings.reset(token)
     invalid = {w.split(":", 1)[1] for w in sink if w.startswith("\0invalid:")}
     warnings = [w for w in sink if not w.startswith("\0")]
     if defaults:
-        env = os.environ if environ is None else environ
         for name, value in defaults.items():
-            if name not in cls.model_fields:
-                continue
-            var = cls.env_name(name)
-            if name in invalid or not any(k.upper() == var for k in env):
+            if name in cls.model_fields and (name in invalid or name not in values):
                 object.__setattr__(settings, name, value)
+    loaded = _loaded.get()
+    if loaded is not None:
+        loaded.append(cls)
     return settings, warnings
 
 
 class CoreSettings(LoongkitSettings):
     """The variables the core reads for itself."""
 
-    model_config = SettingsConfigDict(env_prefix="LOONGKIT_", extra="ignore", case_sensitive=False)
+    model_config = SettingsConfigDict(env_prefix="LOONGKIT_", extra="ignore", case_sensitive=False,
+                                      env_ignore_empty=True)
 
     all: int = Field(0, ge=0, le=3, description="Enable every feature up to this level (0-3).")
     loglevel: Annotated[str, BeforeValidator(_parse_level)] = Field(
@@ -176,8 +203,3 @@ class CoreSettings(LoongkitSettings):
         30.0, gt=0, le=3600, description="Seconds a feature's activation may take before it is abandoned."
     )
     disable_plugins: str = Field("", description="Comma-separated plugin names not to load.")
-
-    @field_validator("logdir", "summary_json", mode="before")
-    @classmethod
-    def _empty_is_unset(cls, value: object) -> object:
-        return None if isinstance(value, str) and not value.strip() else value

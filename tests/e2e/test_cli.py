@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from loongkit_core.testing import clean_environ
+import pytest
+
+from loongkit_core.testing import clean_environ, install_fake_plugin
 
 LOONGKIT = shutil.which("loongkit") or str(Path(sys.executable).parent / "loongkit")
+LAUNCHER = shutil.which("loongkit-run") or str(Path(sys.executable).parent / "loongkit-run")
 SEED_VARIABLES = [
     "LOONGKIT_DATA_CONTAINER", "LOONGKIT_DATA_PREFETCH", "LOONGKIT_MMENGINE_DATA_PREFETCH", "LOONGKIT_IMNORMALIZE",
     "LOONGKIT_DISTORTION", "LOONGKIT_PYTORCH", "LOONGKIT_PAGE_CACHE_LIMIT", "LOONGKIT_NUMA_AFFINITY",
@@ -61,3 +64,123 @@ def test_info_shows_resolution_and_warnings() -> None:
     assert r.returncode == 0
     assert "did you mean LOONGKIT_ALLOW_TF32?" in r.stdout
     assert "allow_tf32" in r.stdout and "will apply on import of torch" in r.stdout
+
+
+# A third-party plugin as the issue's author had it: an option model, and a second feature whose impl
+# path has a typo (a boot-time fault).
+THIRD_PARTY = '''
+from pydantic_settings import SettingsConfigDict
+from loongkit_core.feature import Category, Feature
+from loongkit_core.kit import FeatureImpl, PluginSpec
+from loongkit_core.settings import LoongkitSettings
+
+plugin = PluginSpec("third")
+
+class ChunkOptions(LoongkitSettings):
+    model_config = SettingsConfigDict(env_prefix="LOONGKIT_THIRD_", extra="ignore")
+    chunk: int = 1024
+
+class Chunked(FeatureImpl):
+    options = ChunkOptions
+
+    def activate(self, ctx, target):
+        ctx.count()
+
+plugin.add(Feature(name="third", env="LOONGKIT_THIRD", level=1, category=Category.OTHER, description="chunks",
+                   options=("LOONGKIT_THIRD_CHUNK",)), impl="third_plugin:Chunked")
+plugin.add(Feature(name="typo", env="LOONGKIT_TYPO", level=1, category=Category.OTHER, description="typo'd impl"),
+           impl="third_plugin_typo:Nope")
+'''
+
+
+@pytest.fixture
+def third(tmp_path: Path) -> dict[str, str]:
+    """The environment with the third-party plugin installed and logs in a temp directory."""
+    site = install_fake_plugin(tmp_path / "site", "third_plugin", THIRD_PARTY, entry_point="third_plugin:plugin")
+    return {"PYTHONPATH": str(site), "LOONGKIT_LOGDIR": str(tmp_path / "logs")}
+
+
+def _logs(env: dict[str, str]) -> str:
+    return "".join(p.read_text() for p in sorted(Path(env["LOONGKIT_LOGDIR"]).glob("*.log")))
+
+
+def test_info_warns_about_an_invalid_option(third: dict[str, str]) -> None:
+    """`loongkit-run --info` showed `chunk=1024` for LOONGKIT_THIRD_CHUNK=lots and no warning."""
+    full = clean_environ()
+    full.update(third, LOONGKIT_THIRD="1", LOONGKIT_THIRD_CHUNK="lots")
+    r = subprocess.run([LAUNCHER, "--info", "python", "train.py"], env=full, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "warning: LOONGKIT_THIRD_CHUNK='lots' is invalid" in r.stdout and "the default 1024" in r.stdout
+    assert "config: chunk=1024" in r.stdout
+
+
+def test_empty_values_are_unset_everywhere(third: dict[str, str]) -> None:
+    """`LOONGKIT_X=` means unset for core settings, switches and options alike: defaults, no warning."""
+    r = _run("info", env={**third, "LOONGKIT_ALL": "1", "LOONGKIT_LOGLEVEL": "", "LOONGKIT_ACTIVATION_TIMEOUT": " ",
+                          "LOONGKIT_ALLOW_TF32": "", "LOONGKIT_THIRD_CHUNK": "", "LOONGKIT_TYPO": "0"})
+    assert r.returncode == 0, r.stderr
+    assert "warning:" not in r.stdout, r.stdout
+    assert "'loglevel': 'warning'" in r.stdout and "allow_tf32" in r.stdout and "config: chunk=1024" in r.stdout
+
+
+@pytest.mark.parametrize("command", [["features"], ["info"], ["features", "--json"]])
+def test_a_boot_fault_is_logged_once_to_the_log(third: dict[str, str], command: list[str]) -> None:
+    """An impl path typo: one readable record in the log (LOONGKIT_LOGDIR), none on the terminal's stderr,
+    and the command's own report names it once."""
+    r = _run(*command, env={**third, "LOONGKIT_TYPO": "1"})
+    assert r.returncode == 0, r.stderr
+    assert "third_plugin_typo" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    logs = _logs(third)
+    assert logs.count("plugin fault") == 1, logs
+    assert "ModuleNotFoundError: No module named 'third_plugin_typo'" in logs
+    if "--json" in command:
+        assert [f["feature"] for f in json.loads(r.stdout)["faults"]] == ["typo"]
+    else:  # one report line, naming where the traceback is
+        lines = [line for line in r.stdout.splitlines() if "plugin third_plugin (loongkit_detect" in line]
+        assert len(lines) == 1 and "traceback in " + str(Path(third["LOONGKIT_LOGDIR"])) in lines[0], r.stdout
+
+
+def test_launcher_routes_a_boot_fault_to_the_process_log(third: dict[str, str], tmp_path: Path) -> None:
+    """loongkit-run printed the fault as an escaped one-line traceback on the terminal although the process
+    log goes to a file; now the command's own boot logs it there, once."""
+    full = clean_environ()
+    full.update(third, LOONGKIT_TYPO="1", LOONGKIT_THIRD="1", LOONGKIT_SUMMARY_JSON=str(tmp_path / "s.json"))
+    r = subprocess.run([LAUNCHER, sys.executable, "-c", "print('user ran')"], env=full, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "user ran" in r.stdout
+    assert "Traceback" not in r.stderr and "plugin fault" not in r.stderr, r.stderr
+    logs = _logs(third)
+    assert logs.count("plugin fault") == 1 and "third_plugin_typo" in logs, logs
+    faults = json.loads((tmp_path / "s.json").read_text())["faults"]
+    assert [f["feature"] for f in faults] == ["typo"]
+
+
+def test_launcher_logs_a_launch_environment_fault(tmp_path: Path) -> None:
+    """A fault in loongkit_launch_environment (which only the launcher runs) goes to the same log, once,
+    and the command still runs without the variables."""
+    source = THIRD_PARTY + '''
+@plugin.launch_env
+def broken(records, environ):
+    raise RuntimeError("launch env boom")
+'''
+    site = install_fake_plugin(tmp_path / "site", "third_plugin", source, entry_point="third_plugin:plugin")
+    full = clean_environ()
+    full.update(PYTHONPATH=str(site), LOONGKIT_LOGDIR=str(tmp_path / "logs"), LOONGKIT_THIRD="1")
+    r = subprocess.run([LAUNCHER, sys.executable, "-c", "print('user ran')"], env=full, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "user ran" in r.stdout, r.stderr
+    assert "boom" not in r.stderr, r.stderr
+    logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("*.log"))
+    assert logs.count("plugin fault") == 1 and "launch env boom" in logs and "Traceback" in logs, logs
+    r = subprocess.run([LAUNCHER, sys.executable, "-c", "print('user ran')"], env={**full, "LOONGKIT_STRICT": "1"},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3 and "launch env boom" in r.stderr and "user ran" not in r.stdout
+
+
+def test_help_lists_the_plugins_subcommands() -> None:
+    r = _run("--help")
+    assert r.returncode == 0, r.stderr
+    for command in ("features", "doctor", "numa", "malloc-env"):
+        assert command in r.stdout, r.stdout

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -154,4 +153,31 @@ def test_strict_mode_fails_loudly(site: Path, run_loongkit, hook: str) -> None: 
 def test_disable_plugins(site: Path, run_loongkit) -> None:  # type: ignore[no-untyped-def]
     r = _run(run_loongkit, site, BAD_HOOK="declare", LOONGKIT_DISABLE_PLUGINS="bad_plugin")
     assert r.summary["faults"] == []  # type: ignore[index]
-    assert "bad_plugin" not in os.linesep.join(r.stdout.splitlines())
+    assert "bad plugin says hello" not in r.stdout  # not loaded: its hooks never ran
+    assert [row["name"] for row in r.summary["features"]] == ["good_feature"]  # type: ignore[index]
+
+
+def _summary_block(text: str) -> str:
+    start = text.index("Loongkit Feature Summary")
+    return text[start:text.index("\n" + "=" * 20, start)]
+
+
+def test_disabled_plugin_is_named_not_misspelled(site: Path, run_loongkit) -> None:  # type: ignore[no-untyped-def]
+    """Its feature's variable is not called unknown or misspelled; the log and the Summary say why nothing
+    is enabled. (The plugin is not imported to learn its variables: entry-point metadata names none.)"""
+    r = run_loongkit(USER, {"PYTHONPATH": str(site), "LOONGKIT_GOOD_FEATURE": "1",
+                            "LOONGKIT_DISABLE_PLUGINS": "good_plugin, no_such_plugin"})
+    assert r.returncode == 0, r.stderr
+    logs = r.logs()
+    assert "unknown variable" not in logs and "did you mean" not in logs, logs
+    assert "plugin good_plugin disabled by LOONGKIT_DISABLE_PLUGINS" in logs
+    block = _summary_block(r.stdout + logs)
+    assert "plugin good_plugin disabled by LOONGKIT_DISABLE_PLUGINS" in block
+    assert "LOONGKIT_GOOD_FEATURE" in block  # set, and read by no loaded plugin
+    assert "LOONGKIT_DISABLE_PLUGINS names no_such_plugin" in logs  # a misspelled plugin name is said
+    assert "good_plugin" not in "".join(f["plugin"] for f in r.summary["faults"])  # type: ignore[index]
+
+
+def test_misspelling_still_caught_without_disabled_plugins(site: Path, run_loongkit) -> None:  # type: ignore[no-untyped-def]
+    r = run_loongkit(USER, {"PYTHONPATH": str(site), "LOONGKIT_GOOD_FEATUR": "1", "LOONGKIT_ALL": "0"})
+    assert "unknown variable LOONGKIT_GOOD_FEATUR; did you mean LOONGKIT_GOOD_FEATURE?" in r.logs()

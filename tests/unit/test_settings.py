@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic_settings import SettingsConfigDict
 
-from loongkit_core.settings import CoreSettings, LkBool, LoongkitSettings, load_settings, parse_bool
+from loongkit_core.settings import CoreSettings, LkBool, LoongkitSettings, bool_or_none, load_settings, parse_bool
 
 
 @pytest.mark.parametrize("word", ["1", "on", "yes", "ON", "Yes", " yes "])
@@ -30,7 +30,7 @@ def test_all_levels(value: str, expected: int) -> None:
     assert settings.all == expected and warnings == []
 
 
-@pytest.mark.parametrize("value", ["4", "-1", "x", "1.5", "", "99999999999999999999"])
+@pytest.mark.parametrize("value", ["4", "-1", "x", "1.5", "99999999999999999999"])
 def test_bad_all_reverts_to_zero_with_one_warning(value: str) -> None:
     settings, warnings = load_settings(CoreSettings, environ={"LOONGKIT_ALL": value})
     assert settings.all == 0
@@ -45,7 +45,7 @@ def test_loglevel_case_insensitive(value: str, expected: str) -> None:
     assert settings.loglevel == expected and warnings == []
 
 
-@pytest.mark.parametrize("value", ["verbose", "warn", "", "5", "trace"])
+@pytest.mark.parametrize("value", ["verbose", "warn", "5", "trace"])
 def test_bad_loglevel_is_warning(value: str) -> None:
     settings, warnings = load_settings(CoreSettings, environ={"LOONGKIT_LOGLEVEL": value})
     assert settings.loglevel == "warning"
@@ -89,3 +89,31 @@ def test_policy_defaults_apply_only_where_unset_or_invalid() -> None:
 
 def test_env_names() -> None:
     assert _Options.env_names() == ("LOONGKIT_DEMO_FLAG", "LOONGKIT_DEMO_SIZE")
+
+
+class _Named(LoongkitSettings):
+    model_config = SettingsConfigDict(env_prefix="LOONGKIT_DEMO_", extra="ignore")
+    mode: str = "auto"
+    limit: int = 3
+
+
+_CORE_VALUED = ("LOONGKIT_ALL", "LOONGKIT_LOGLEVEL", "LOONGKIT_LOGDIR", "LOONGKIT_STRICT", "LOONGKIT_SUMMARY_JSON",
+                "LOONGKIT_SYSFS_ROOT", "LOONGKIT_ACTIVATION_TIMEOUT", "LOONGKIT_DISABLE_PLUGINS")
+
+
+@pytest.mark.parametrize("value", ["", "   "])
+def test_empty_value_is_unset_everywhere(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rule for core settings, feature switches and plugin options: empty means unset (the default,
+    no warning), as it always did for LOONGKIT_LOGDIR."""
+    defaults, _ = load_settings(CoreSettings, environ={})
+    core, warnings = load_settings(CoreSettings, environ=dict.fromkeys(_CORE_VALUED, value))
+    assert warnings == [] and core.model_dump() == defaults.model_dump()
+    opts, warnings = load_settings(_Named, environ={"LOONGKIT_DEMO_MODE": value, "LOONGKIT_DEMO_LIMIT": value})
+    assert warnings == [] and (opts.mode, opts.limit) == ("auto", 3)
+    opts, _ = load_settings(_Named, defaults={"limit": 9}, environ={"LOONGKIT_DEMO_LIMIT": value})
+    assert opts.limit == 9  # unset, so a hardware policy's default applies
+    assert bool_or_none(value) == (None, False)  # a feature's switch
+    for name in _CORE_VALUED:  # the os.environ path too
+        monkeypatch.setenv(name, value)
+    core, warnings = load_settings(CoreSettings)
+    assert warnings == [] and core.model_dump() == defaults.model_dump()
