@@ -7,6 +7,8 @@ Fixtures:
 * ``run_loongkit`` — run a Python snippet in a fresh interpreter with the prelude on PYTHONPATH and
   return its exit code, output, parsed JSON Summary and log files.
 * ``fake_sysfs`` — build a recorded hardware topology under a temp root (``LOONGKIT_SYSFS_ROOT``).
+* ``fake_distribution`` — make a distribution look installed at a chosen version (metadata only, plus any
+  stub modules), in this process and in the subprocesses it starts, to test ``requires`` gates.
 * ``loongkit_runtime`` — boot an in-process :class:`~loongkit_core.runtime.Runtime` on an explicit
   environment, activate chosen features on their target, and deactivate everything at teardown
   (patches undone), for tests that call the patched code directly.
@@ -14,8 +16,10 @@ Fixtures:
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -167,6 +171,43 @@ def loongkit_runtime(loongkit_env: pytest.MonkeyPatch) -> Iterator[Callable[...,
     for rt in made:
         for name in list(rt.contexts):
             rt.deactivate(name)
+
+
+@pytest.fixture
+def fake_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Path]]:
+    """``fake_distribution(name, version, modules={"mmdet/__init__.py": ""})`` -> the site directory.
+
+    ``name`` is written as in a feature's ``requires`` (``mmseg`` becomes the ``mmsegmentation``
+    distribution, see ``loongkit_core.requirements.DISTRIBUTIONS``). The site goes first on ``sys.path``
+    and on ``PYTHONPATH`` (so ``run_loongkit`` children see it: keep ``os.environ["PYTHONPATH"]`` when
+    passing your own), shadowing a real installation; faking a name again replaces its version. Only
+    metadata is faked: ``modules`` (relative path -> source) adds importable stand-ins. Undone at teardown.
+    """
+    from loongkit_core import requirements
+
+    site = tmp_path / "fake-distributions"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
+
+    def make(name: str, version: str, modules: Mapping[str, str] | None = None) -> Path:
+        dist = requirements.DISTRIBUTIONS.get(name, (name,))[0]
+        stem = re.sub(r"[-_.]+", "_", dist).lower()
+        for old in site.glob(f"{stem}-*.dist-info"):
+            shutil.rmtree(old)
+        info = site / f"{stem}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        for rel, source in (modules or {}).items():
+            path = site / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(source)
+        importlib.invalidate_caches()
+        requirements.installed.cache_clear()  # it caches per process
+        return site
+
+    yield make
+    requirements.installed.cache_clear()  # before monkeypatch restores sys.path: nothing reads it between
 
 
 def free_port() -> int:
