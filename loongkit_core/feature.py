@@ -97,14 +97,21 @@ class FeatureRecord:
     explicit: bool = False  # enabled by its own variable rather than LOONGKIT_ALL
     enabled: bool = False
     config: object = None  # what the Summary shows in its "Configurations" column
-    calls: int = 0  # times its code ran (the Summary's '*')
+    calls: int = 0  # times its code ran in this process (the Summary's '*')
+    worker_calls: int = 0  # times it ran in this process's DataLoader workers (reported at exit)
+    workers: int = 0  # how many distinct DataLoader workers ran it
+    node: dict[int, dict[str, int]] | None = None  # local rank 0 under torchrun: local rank -> totals
     applied_targets: list[str] = field(default_factory=list)
     policy: str = ""  # the hardware policy that changed its defaults, if any
     details: dict[str, object] = field(default_factory=dict)  # free-form facts for the JSON summary
 
     @property
     def active(self) -> bool:
-        return self.calls > 0
+        """Its code ran in this process or in one of its DataLoader workers (or, in local rank 0's
+        node view, in any local rank)."""
+        if self.calls > 0 or self.worker_calls > 0:
+            return True
+        return bool(self.node) and any(t["calls"] or t["worker_calls"] for t in self.node.values())
 
     def to_json(self) -> dict[str, object]:
         f = self.feature
@@ -118,11 +125,14 @@ class FeatureRecord:
             "state": (State.ACTIVE if self.active and self.state == State.APPLIED else self.state).value,
             "active": self.active,
             "calls": self.calls,
+            "worker_calls": self.worker_calls,
+            "workers": self.workers,
             "reason": self.reason,
             "config": _jsonable(self.config),
             "targets": list(self.applied_targets),
             "policy": self.policy,
             "details": {k: _jsonable(v) for k, v in self.details.items()},
+            **({"node": {str(k): v for k, v in self.node.items()}} if self.node is not None else {}),
         }
 
 

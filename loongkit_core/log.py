@@ -177,6 +177,15 @@ def _usable_dir(path: str, probe: bool = True) -> int:
     return fd
 
 
+def ensure_private_dir(path: str) -> None:
+    """Create ``path`` (0700) where missing and check it as a log directory is checked (no symlinks,
+    ours, not world-writable); raises PermissionError with the reason when it must not be used."""
+    try:
+        os.close(_usable_dir(path, probe=False))
+    except _Refused as exc:
+        raise PermissionError(str(exc)) from None
+
+
 def _open_log_file(directory: str, name: str) -> int:
     """Open ``directory/name`` for appending through a verified directory fd; raises _Refused."""
     dir_fd = _usable_dir(directory, probe=False)
@@ -252,6 +261,8 @@ class _Output:
         # Never raise into the user's program: a full disk or a closed pipe only loses log lines.
         try:
             with self.lock:
+                if self.kind == "file" and self.fd is None and self.path is not None:
+                    text = self._open_pending() + text
                 if self.kind == "file":
                     if self.fd is not None:
                         data = text.encode("utf-8", "backslashreplace")
@@ -264,6 +275,17 @@ class _Output:
                         stream.flush()
         except Exception:
             pass
+
+    def _open_pending(self) -> str:
+        """Open the log file at the first record, so a process that logs nothing (most DataLoader
+        workers) leaves no empty file. On failure switch to stderr; returns a line saying so."""
+        assert self.path is not None
+        try:
+            self.fd = _open_log_file(os.path.dirname(self.path), os.path.basename(self.path))
+            return ""
+        except (_Refused, OSError) as exc:
+            self.kind, self.path = "stderr", None
+            return f"loongkit: cannot log to a file ({exc}); logging to stderr\n"
 
     def close(self) -> None:
         with self.lock:
@@ -429,9 +451,10 @@ def get_logger(name: str = "loongkit", **bind: Any) -> Any:
 
 
 def _activate(destination: Destination, process: ProcessInfo) -> Destination:
-    """Open the destination (falling back to stderr) and point the output at it."""
+    """Point the output at the destination. A new log file is created at its first record (no empty
+    files); an existing one, or anything else at its name, is opened and checked now."""
     fd: int | None = None
-    if destination.kind == "file" and destination.path:
+    if destination.kind == "file" and destination.path and os.path.lexists(destination.path):
         try:
             fd = _open_log_file(os.path.dirname(destination.path), os.path.basename(destination.path))
         except (_Refused, OSError) as exc:
@@ -442,7 +465,7 @@ def _activate(destination: Destination, process: ProcessInfo) -> Destination:
         old = _output.fd
         _output.kind = destination.kind
         _output.fd = fd
-        _output.path = destination.path if fd is not None else None
+        _output.path = destination.path if destination.kind == "file" else None
     if old is not None and old != fd:
         with contextlib.suppress(OSError):
             os.close(old)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
-from loongkit_core import importhooks, log, requirements
+from loongkit_core import activity, importhooks, log, requirements
 from loongkit_core import process as process_mod
 from loongkit_core import summary as summary_mod
 from loongkit_core.context import ActivationContext, Environment, NotApplicable
@@ -55,6 +55,11 @@ class Runtime:
         self._booting = True
         self.destination: log.Destination | None = None
         self._exit_callbacks: list[tuple[FeatureRecord, Callable[[], None], int]] = []
+        self.targets_seen: list[str] = []  # feature targets imported in this process (a training job's sign)
+        self.channel: activity.MainChannel | None = None  # where this main's workers report
+        self._fork_baseline: dict[str, int] = {}  # counts inherited at fork (a worker reports the rest)
+        self._reporter: activity.WorkerReporter | None = None
+        self.node_missing: list[int] = []  # local ranks that sent no activity report (local rank 0)
         self.log: Any = log.get_logger("loongkit.core")
 
     # -- faults --------------------------------------------------------------------------------
@@ -357,6 +362,9 @@ class Runtime:
             unread = self.unread_variables()
             extra.append(self.disabled_plugins_note() + (f"; read by no loaded plugin: {', '.join(unread)}"
                                                          if unread else ""))
+        if self.node_missing:
+            extra.append("No activity report from local rank(s) " + ", ".join(map(str, self.node_missing))
+                         + f" within {activity.NODE_WAIT:g} s: their calls are missing above")
         for _, lines in self.manager.call_each("loongkit_summary", records=list(self.records.values())):
             extra.extend(str(line) for line in lines)
         return summary_mod.render(list(self.records.values()), self.manager.faults, extra, log.log_path())
@@ -372,15 +380,17 @@ class Runtime:
             for record in self.records.values():
                 if record.state == State.ARMED and not record.reason:
                     record.reason = "target not imported: " + ", ".join(record.feature.targets)
+            self.gather_activity()
             text = self.summary_text()
             destination = self.destination
-            if self.process.prints_summary:
+            printed = self.process.prints_summary and self.is_training_job()
+            if printed:
                 try:
                     sys.stdout.write(text)
                     sys.stdout.flush()
                 except (OSError, ValueError):
                     pass
-            if destination is None or destination.kind != "stdout" or not self.process.prints_summary:
+            if destination is None or destination.kind != "stdout" or not printed:
                 log.write_block(text)
             if self.settings.summary_json:
                 path = summary_mod.json_path(self.settings.summary_json, self.process)
@@ -393,11 +403,80 @@ class Runtime:
         except Exception as exc:  # the Summary must never change the user's exit
             self.log.error("summary failed", error=repr(exc))
         finally:
+            if self.channel is not None:
+                self.channel.close(node=self.records_have_node_view())
             log.shutdown()
+
+    # -- activity across processes ---------------------------------------------------------------
+    def is_training_job(self) -> bool:
+        """Whether this process looks like training: a feature's target was imported, or DataLoader
+        workers or other ranks ran features. Other processes (``pip``, helper scripts, the prelude-path
+        recipe under a container-wide ``PYTHONPATH``) keep their stdout clean: Summary to the log only."""
+        return bool(self.targets_seen) or any(r.worker_calls or r.node for r in self.records.values())
+
+    def records_have_node_view(self) -> bool:
+        return any(r.node is not None for r in self.records.values())
+
+    def gather_activity(self) -> None:
+        """Fold this main process's workers' reports into its records; under torchrun, publish them
+        for local rank 0, which collects the node's view. Never raises."""
+        channel = self.channel
+        if channel is None or os.getpid() != channel.pid:
+            return
+        try:
+            for name, totals in channel.worker_totals().items():
+                record = self.records.get(name)
+                if record is not None:
+                    record.worker_calls, record.workers = totals.worker_calls, totals.workers
+            own = activity.merged(self.records.values())
+            channel.publish_rank(own, self.process.rank)
+            if channel.local_world_size > 1 and channel.local_rank == 0:
+                view = channel.node_view()
+                for record in self.records.values():
+                    if record.enabled:
+                        record.node = {rank: totals.get(record.feature.name, activity.Totals()).to_json()
+                                       for rank, totals in sorted(view.ranks.items())}
+                if view.missing():
+                    self.log.warning("no activity report from local ranks", ranks=view.missing())
+                    self.node_missing = view.missing()
+        except Exception as exc:
+            self.log.warning("cannot gather activity from other processes", error=repr(exc))
+
+    def _open_channel(self) -> None:
+        channel = activity.MainChannel.open(self.process.pid, self.process.local_rank,
+                                            self.process.local_world_size)
+        if channel is None:
+            self.log.info("no directory for DataLoader workers' activity reports; the Summary counts this "
+                          "process only")
+            return
+        self.channel = channel
+        os.environ[activity.ENV] = channel.handoff()
+
+    def _worker_started(self, worker_id: int) -> None:
+        handoff = activity.parse_handoff(os.environ.get(activity.ENV))
+        if handoff is None or self._reporter is not None:
+            return
+        records = self.records
+        reporter = activity.WorkerReporter(
+            handoff[0], handoff[1], worker_id,
+            lambda: {name: r.calls for name, r in records.items() if r.calls}, self._fork_baseline)
+        self._reporter = reporter
+        reporter.start()
+
+    def _worker_stopping(self, worker_id: int) -> None:
+        if self._reporter is not None:
+            self._reporter.stop()
 
     def install_exit_handlers(self) -> None:
         if self.process.role == process_mod.MAIN:
             os.environ[process_mod.MAIN_MARKER] = self.process.marker()
+        if self.process.writes_summary and any(r.enabled for r in self.records.values()):
+            self._open_channel()
+        if any(r.enabled for r in self.records.values()):
+            from loongkit_core import workers
+
+            workers.on_worker_start(self._worker_started, owner="<core>")
+            workers.on_worker_exit(self._worker_stopping, owner="<core>")
         atexit.register(self.finish)
         try:
             os.register_at_fork(after_in_child=self._after_fork)
@@ -418,6 +497,8 @@ class Runtime:
         os.kill(os.getpid(), signal.SIGTERM)
 
     def _after_fork(self) -> None:
+        self._fork_baseline = {name: r.calls for name, r in self.records.items() if r.calls}
+        self._reporter = None  # a worker forked from a worker reports on its own
         process_mod.mark_forked_child(self.process)
         try:
             log.reopen_after_fork(self.process)
@@ -432,6 +513,8 @@ class _Activation:
         self.runtime, self.record, self.target = runtime, record, target
 
     def __call__(self, module: ModuleType) -> None:
+        if self.target not in self.runtime.targets_seen:
+            self.runtime.targets_seen.append(self.target)
         self.runtime.activate(self.record, self.target)
 
 

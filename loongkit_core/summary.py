@@ -26,6 +26,35 @@ def display_config(config: object) -> str:
     return repr(config) if config is not None else "None"
 
 
+def _n(count: int, word: str) -> str:
+    return f"{count:,} {word}{'' if count == 1 else 's'}"
+
+
+def activity_text(record: FeatureRecord) -> str:
+    """How much the feature ran and where: ``2 workers, 1,240 calls``; ``main + 2 workers, 1,252
+    calls``; in local rank 0's node view ``ranks 0,1 of 2, 4 workers, 2,480 calls``. "" when it did
+    not run."""
+    if record.node:
+        active = {rank: t for rank, t in record.node.items() if t["calls"] or t["worker_calls"]}
+        if not active:
+            return ""
+        calls = sum(t["calls"] + t["worker_calls"] for t in active.values())
+        workers = sum(t["workers"] for t in active.values())
+        ranks = ",".join(str(r) for r in sorted(active))
+        parts = [f"rank{'s' if len(active) > 1 else ''} {ranks} of {len(record.node) or len(active)}"]
+        if workers:
+            parts.append(_n(workers, "worker"))
+        return ", ".join([*parts, _n(calls, "call")])
+    if not record.active:
+        return ""
+    total = record.calls + record.worker_calls
+    if record.worker_calls and record.calls:
+        return f"main + {_n(record.workers, 'worker')}, {_n(total, 'call')}"
+    if record.worker_calls:
+        return f"{_n(record.workers, 'worker')}, {_n(total, 'call')}"
+    return _n(total, "call")
+
+
 def status(record: FeatureRecord) -> str:
     """Why a row is not starred ("" for an active feature)."""
     if record.active:
@@ -47,6 +76,9 @@ def render(records: Sequence[FeatureRecord], faults: Sequence[Fault] = (), extra
             continue
         mark = "*" if record.active else " "
         row = f"{record.feature.name:<{NAME_WIDTH}}{mark} {display_config(record.config)}"
+        how_much = activity_text(record)
+        if how_much:
+            row += f"  ({how_much})"
         why = status(record)
         if why:
             row += f"  [{why}]"

@@ -19,6 +19,7 @@ from loongkit_core.patcher import Patcher
 TARGET = "torch.utils.data._utils.worker"
 
 _callbacks: list[tuple[str, Callable[[int], None]]] = []
+_exit_callbacks: list[tuple[str, Callable[[int], None]]] = []
 _patcher = Patcher()
 _errors: list[tuple[str, BaseException]] = []
 _error_handler: Callable[[str, BaseException], None] | None = None
@@ -35,8 +36,15 @@ def on_worker_start(callback: Callable[[int], None], owner: str = "") -> None:
     importhooks.when_imported(TARGET, _install)
 
 
-def run_callbacks(worker_id: int) -> None:
-    for owner, callback in list(_callbacks):
+def on_worker_exit(callback: Callable[[int], None], owner: str = "") -> None:
+    """Call ``callback(worker_id)`` when a DataLoader worker's loop returns (it was told to stop;
+    a worker killed by a signal never gets here)."""
+    _exit_callbacks.append((owner, callback))
+    importhooks.when_imported(TARGET, _install)
+
+
+def run_callbacks(worker_id: int, callbacks: list[tuple[str, Callable[[int], None]]] | None = None) -> None:
+    for owner, callback in list(_callbacks if callbacks is None else callbacks):
         try:
             callback(worker_id)
         except Exception as exc:  # a feature must never kill a data worker
@@ -60,7 +68,10 @@ def _install(module: ModuleType) -> None:
     def _worker_loop(*args: Any, **kwargs: Any) -> Any:
         worker_id = kwargs["worker_id"] if "worker_id" in kwargs else args[position]
         run_callbacks(int(worker_id))
-        return original(*args, **kwargs)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            run_callbacks(int(worker_id), _exit_callbacks)
 
     _worker_loop.__wrapped__ = original  # type: ignore[attr-defined]
     _worker_loop.__module__ = original.__module__
@@ -72,3 +83,4 @@ def uninstall() -> None:
     """Restore the original worker loop and forget callbacks (tests)."""
     _patcher.undo()
     _callbacks.clear()
+    _exit_callbacks.clear()

@@ -286,9 +286,19 @@ def test_existing_world_writable_log_file_is_tightened(tmp_path: Path, umask0: N
     stale.write_text("old\n")
     stale.chmod(0o666)
     log.configure("info", str(tmp_path), process, candidates=[])
+    log.get_logger().info("new")  # the file is opened (and tightened) at its first record
     assert stat.S_IMODE(os.stat(stale).st_mode) & 0o022 == 0
-    log.get_logger().info("new")
     assert read(str(stale)).startswith("old\n")  # appended, not truncated
+
+
+def test_log_file_is_created_only_when_something_is_written(tmp_path: Path) -> None:
+    process = proc()
+    dest = log.configure("warning", str(tmp_path), process, candidates=[])
+    assert dest.kind == "file" and dest.path is not None
+    log.get_logger().info("below the level")  # dropped: nothing to write
+    assert not os.path.exists(dest.path)
+    log.get_logger().warning("now")
+    assert "now" in read(dest.path)
 
 
 def test_symlink_at_log_file_name_refused(tmp_path: Path) -> None:
@@ -380,7 +390,7 @@ def test_destination_warnings_respect_level(tmp_path: Path) -> None:
     regular = tmp_path / "file.txt"
     regular.write_text("")
     log.configure("error", str(regular), proc(), candidates=[str(tmp_path / "fallback")])
-    assert read(log.log_path()) == ""
+    assert not os.path.exists(log.log_path())  # nothing at the level: not even an empty file
 
 
 def test_write_block_verbatim(tmp_path: Path) -> None:
@@ -449,6 +459,7 @@ needs_procfs = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="ne
 @needs_procfs
 def test_reconfigure_closes_old_file(tmp_path: Path) -> None:
     log.configure("info", str(tmp_path / "one"), proc(), candidates=[])
+    log.get_logger().info("first")
     first = log.log_path()
     assert first is not None and _fds_pointing_at(first)
     log.configure("info", str(tmp_path / "two"), proc(), candidates=[])
@@ -462,6 +473,7 @@ def test_reconfigure_closes_old_file(tmp_path: Path) -> None:
 @needs_procfs
 def test_disk_full_degrades_silently(tmp_path: Path) -> None:
     log.configure("info", str(tmp_path), proc(), candidates=[])
+    log.get_logger().info("opens the file")
     path = log.log_path()
     assert path is not None
     (fd,) = _fds_pointing_at(path)
