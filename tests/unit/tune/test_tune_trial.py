@@ -1,0 +1,86 @@
+"""One trial: a fresh process with the candidate's variables; crash, hang and figures told apart."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from loongkit_monitor.tune import space, trial
+
+
+def setup(tmp_path: Path, command: list[str], env: dict[str, str], steps: int = 6) -> trial.Setup:
+    return trial.Setup(command, env, steps, tmp_path, launcher=[])
+
+
+def test_a_trial_gets_the_monitor_and_the_candidate(tmp_path: Path, fake_job: list[str],
+                                                   clean_env: dict[str, str]) -> None:
+    rules = [{"when": {"LOONGKIT_DATALOADER_WORKERS_COUNT": "3"}, "step": 0.04}]
+    s = setup(tmp_path, fake_job, {**clean_env, "FAKE_RULES": json.dumps(rules)})
+    candidate = space.Candidate("workers=3", (("LOONGKIT_DATALOADER_WORKERS", "1"),
+                                              ("LOONGKIT_DATALOADER_WORKERS_COUNT", "3")), space.WORKERS, 0)
+    r = trial.run(s, candidate, 0, 1, timeout=60)
+    assert r.ok, r.error
+    assert r.step_s == 0.04 and r.figures is not None and r.figures.workers == 3
+    assert r.losses == [round(2.0 / (i + 1), 6) for i in range(6)]
+    env = trial.trial_environ(s, candidate, Path("x.json"))
+    assert env["LOONGKIT_MONITOR"] == "1" and env["LOONGKIT_MONITOR_MAX_STEPS"] == "6"
+    assert env["LOONGKIT_SUMMARY_JSON"] == "x.json"
+
+
+def test_crash_is_reported_with_the_exception(tmp_path: Path, fake_job: list[str], clean_env: dict[str, str]) -> None:
+    s = setup(tmp_path, fake_job, {**clean_env, "FAKE_RULES": json.dumps([{"crash": True}])})
+    r = trial.run(s, space.baseline(), 0, 1, timeout=60)
+    assert not r.ok and r.kind == "crash"
+    assert r.error == "crashed: exit code 1 (RuntimeError: planted crash)"
+
+
+def test_hang_is_ended_with_everything_it_started(tmp_path: Path, clean_env: dict[str, str]) -> None:
+    pidfile = tmp_path / "child.pid"
+    code = ("import os, subprocess, sys, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+            f"open({str(pidfile)!r}, 'w').write(str(child.pid))\n"
+            "print('loss: 1.0', flush=True)\n"
+            "time.sleep(600)\n")
+    s = setup(tmp_path, [sys.executable, "-c", code], clean_env)
+    start = time.monotonic()
+    r = trial.run(s, space.baseline(), 0, 1, timeout=3)
+    assert time.monotonic() - start < 3 + trial.KILL_GRACE_S + 5
+    assert r.kind == "hang" and r.error == "hangs: no exit within 3 s"
+    assert r.losses == [1.0]
+    child = int(pidfile.read_text())
+    for _ in range(50):  # the grandchild was in the trial's process group: gone too
+        if not _alive(child):
+            break
+        time.sleep(0.1)
+    assert not _alive(child)
+    cut = trial.run(s, space.baseline(), 1, 1, timeout=1, budget_cut=True)
+    assert cut.kind == "budget" and "budget ran out" in cut.error
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (reaped later by init) counts as gone
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def test_no_figures_without_the_monitor(tmp_path: Path, clean_env: dict[str, str]) -> None:
+    s = setup(tmp_path, [sys.executable, "-c", "print('loss: 0.5')"], clean_env)
+    r = trial.run(s, space.baseline(), 0, 1, timeout=60)
+    assert r.kind == "no figures" and "no JSON Summary" in r.error
+
+
+def test_base_environ_drops_feature_switches_keeps_core_settings() -> None:
+    env, dropped = trial.base_environ({"PATH": "/bin", "LOONGKIT_ALL": "2", "LOONGKIT_MALLOC": "1",
+                                       "LOONGKIT_SYSFS_ROOT": "/x", "_LOONGKIT_ACTIVITY": "/d:1"},
+                                      ("LOONGKIT_SYSFS_ROOT",))
+    assert env == {"PATH": "/bin", "LOONGKIT_SYSFS_ROOT": "/x"}
+    assert dropped == ["LOONGKIT_ALL", "LOONGKIT_MALLOC"]
