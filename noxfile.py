@@ -6,6 +6,9 @@
 - stack1  : integration tests marked `stack1` against the 1.x stack (mmcv-full 1.7.2 with CPU ops,
             mmdet 2.28, mmseg 0.30) on torch 2.14.1 + torchvision 0.29.1 (mmcv 1.x's runner imports
             torchvision; PyPI's torchvision does not load beside torch 2.13.0)
+- plugin-<name> : "pip install selected plugins": the core and that plugin alone, installed as wheels
+            (not editable: what a user gets, package data included), torch 2.13.0; runs the plugin's unit
+            tests (tests/unit/<name> and tests/unit/<name>_*) and the kit's conformance check on it
 - lint    : ruff
 - bench   : every benchmark in --quick mode, writing bench-out/bench.md
 - main    : README command 1, the mmdet 3.x detection example under `loongkit compare` (not a test)
@@ -148,6 +151,30 @@ def stack1(session: nox.Session) -> None:
     session.install(_mmcv_full_wheel(session, "1.7.2"))
     session.install("mmdet==2.28.2", "mmsegmentation==0.30.0")
     session.run("pytest", "-m", "stack1", *session.posargs)
+
+
+# Extra packages a plugin's unit tests need beyond TEST_DEPS.
+PLUGIN_TEST_DEPS = {"ops": [*HF_DEPS, TRITON]}
+
+
+def _plugin_session(plugin: Path) -> None:
+    name = plugin.name.removeprefix("loongkit-")
+    tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "unit").glob(f"{name}*")
+                   if p.is_dir() and (p.name == name or p.name.startswith(f"{name}_")))
+
+    @nox.session(name=f"plugin-{name}", tags=["plugins"])
+    def run(session: nox.Session) -> None:
+        session.install("-U", "pip", "wheel", "setuptools<81")
+        session.install(TORCH)
+        session.install(".", str(plugin), *TEST_DEPS, *PLUGIN_TEST_DEPS.get(name, []))
+        # The tests import the installed wheels (pytest's importlib mode keeps the checkout off sys.path).
+        session.run("pytest", "-m", "not integration", *tests, "tests/unit/test_conformance.py", *session.posargs)
+
+    run.__doc__ = f"The core and {plugin.name} alone (pip install selected plugins): its unit tests, conformance."
+
+
+for _plugin in PLUGINS:
+    _plugin_session(Path(_plugin))
 
 
 @nox.session(tags=["lint"])
