@@ -15,6 +15,7 @@ Faults are reasons, never exceptions escaping into training: anything that canno
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -284,13 +285,11 @@ def summary_config(options: NumaAffinityOptions) -> dict[str, bool]:
 
 
 class NumaAffinity(FeatureImpl):
-    options = NumaAffinityOptions
+    """The CPU mask's restore and the memory policy's reset are deferred on ``ctx.patcher``, the
+    workers' plan is set with ``set_item``: the default ``deactivate`` undoes the binding. The worker
+    callback (registered once per process) does nothing once the plan is gone from the environment."""
 
-    def __init__(self, feature: Any) -> None:
-        super().__init__(feature)
-        self._original_cpus: frozenset[int] | None = None
-        self._set_mempolicy = False
-        self._exported: str | None = None
+    options = NumaAffinityOptions
 
     def detect(self, env: Environment) -> str | None:
         if not hasattr(os, "sched_setaffinity"):
@@ -325,7 +324,7 @@ class NumaAffinity(FeatureImpl):
             if not applied:
                 raise NotApplicable(message)
             ctx.log.info(f"numa_affinity: {message}")
-            ctx.mark_active()
+            ctx.count()
             return
         self._activate_trainer(ctx, options)
 
@@ -356,7 +355,7 @@ class NumaAffinity(FeatureImpl):
         problem = set_process_affinity(target)
         if problem:
             raise NotApplicable(problem)
-        self._original_cpus = current
+        ctx.patcher.defer(functools.partial(set_process_affinity, current))
         ctx.detail("cpus", format_cpulist(target))
         ctx.log.info(f"numa_affinity: local rank {entry.local_rank} (GPU {entry.gpu}, NUMA {entry.node}) bound to "
                      f"CPUs {format_cpulist(target)} [{entry.rule}: {entry.why}]")
@@ -366,7 +365,8 @@ class NumaAffinity(FeatureImpl):
                 ctx.log.warning(f"numa_affinity: memory binding skipped: {mem_problem}")
                 ctx.detail("memory", f"skipped: {mem_problem}")
             else:
-                self._set_mempolicy = True
+                # Undo goes back to the default policy (what a process has unless started under numactl).
+                ctx.patcher.defer(functools.partial(set_preferred_memory_node, None))
                 ctx.detail("memory", f"preferred node {entry.memory_node}")
         data = entry.data_cpus & current
         if data:
@@ -374,20 +374,7 @@ class NumaAffinity(FeatureImpl):
                                   "rank": entry.local_rank, "pid": os.getpid()})
             # Workers, forked or spawned, inherit the environment: the plan travels with them.
             environ: MutableMapping[str, str] = os.environ
-            environ[WORKER_PLAN_ENV] = handoff
-            self._exported = handoff
+            ctx.patcher.set_item(environ, WORKER_PLAN_ENV, handoff)
             ctx.detail("data_cpus", format_cpulist(data))
             _register_worker_hook(ctx)
-        ctx.mark_active()
-
-    def deactivate(self, ctx: ActivationContext) -> None:
-        super().deactivate(ctx)
-        if self._original_cpus is not None:
-            set_process_affinity(self._original_cpus)
-            self._original_cpus = None
-        if self._set_mempolicy:
-            set_preferred_memory_node(None)
-            self._set_mempolicy = False
-        if self._exported is not None and os.environ.get(WORKER_PLAN_ENV) == self._exported:
-            del os.environ[WORKER_PLAN_ENV]
-        self._exported = None
+        ctx.count()

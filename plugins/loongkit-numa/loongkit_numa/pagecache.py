@@ -261,13 +261,14 @@ class Reclaimer:
 
 # -- the feature ------------------------------------------------------------------------------------------
 class PageCacheLimit(FeatureImpl):
+    """The kernel limit's restore and the reclaimer's stop are deferred on ``ctx.patcher`` (and run at
+    exit too: both are idempotent), so the default ``deactivate`` undoes the feature."""
+
     options = PageCacheOptions
 
     def __init__(self, feature: Any) -> None:
         super().__init__(feature)
         self.mechanism: Mechanism | None = None
-        self.kernel: KernelLimit | None = None
-        self.reclaimer: Reclaimer | None = None
 
     @staticmethod
     def _leader(env: Environment) -> bool:
@@ -287,7 +288,7 @@ class PageCacheLimit(FeatureImpl):
     def activate(self, ctx: ActivationContext, target: str | None) -> None:
         options = ctx.config if isinstance(ctx.config, PageCacheOptions) else PageCacheOptions()
         if not self._leader(ctx.env):
-            ctx.record.reason = "the main process of local rank 0 limits the container's page cache"
+            ctx.waiting("the main process of local rank 0 limits the container's page cache")
             return
         if self.mechanism is None:
             mechanism, reason = find_mechanism(ctx.env.settings.sysfs_root)
@@ -309,37 +310,30 @@ class PageCacheLimit(FeatureImpl):
                 changes = kernel.apply(limit, options.sync)
             except RuntimeError as exc:
                 raise NotApplicable(str(exc)) from exc
-            self.kernel = kernel
+            ctx.patcher.defer(kernel.restore)
             ctx.at_exit(kernel.restore)
             for change in changes:
                 ctx.log.info(f"page_cache_limit: {change}")
             ctx.log.info(f"page_cache_limit: kernel page cache limit {limit} bytes on {mechanism.group.path} "
                          f"({'sync' if options.sync else 'async'} reclaim)")
-            ctx.mark_active()
+            ctx.count()
             return
-        record = ctx.record
 
         def on_reclaim(cache: int, amount: int) -> None:
-            record.calls += 1
-            record.reason = ""
-            record.details["reclaims"] = reclaimer.reclaims
-            record.details["reclaim_requested_bytes"] = reclaimer.reclaimed_bytes
+            ctx.count()
+            ctx.waiting("")
+            ctx.detail("reclaims", reclaimer.reclaims)
+            ctx.detail("reclaim_requested_bytes", reclaimer.reclaimed_bytes)
+
+        def stop() -> None:
+            reclaimer.stop()
+            ctx.detail("reclaims", reclaimer.reclaims)
 
         reclaimer = Reclaimer(mechanism.group, limit, options.sync, on_reclaim=on_reclaim, log=ctx.log)
         reclaimer.start()
-        self.reclaimer = reclaimer
+        ctx.patcher.defer(stop)
         ctx.at_exit(reclaimer.stop)
-        ctx.record.reason = "page cache has not exceeded the limit yet"
+        ctx.waiting("page cache has not exceeded the limit yet")
         ctx.log.info(f"page_cache_limit: reclaimer started: page cache of {mechanism.group.path} kept under "
                      f"{limit} bytes through memory.reclaim (poll {reclaimer.interval:g}s, "
                      f"{'sync' if options.sync else 'async'})")
-
-    def deactivate(self, ctx: ActivationContext) -> None:
-        if self.reclaimer is not None:
-            self.reclaimer.stop()
-            ctx.detail("reclaims", self.reclaimer.reclaims)
-            self.reclaimer = None
-        if self.kernel is not None:
-            self.kernel.restore()
-            self.kernel = None
-        super().deactivate(ctx)

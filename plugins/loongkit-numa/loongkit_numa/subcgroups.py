@@ -26,6 +26,7 @@ a missing cpuset controller, missing delegation, EBUSY or EPERM end as "not appl
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import os
@@ -472,13 +473,17 @@ class _Config:
 
 
 class Subcgroups(FeatureImpl):
+    """The groups' removal (processes moved home, groups removed) is deferred on ``ctx.patcher`` and
+    also runs at exit, whichever comes first; the workers' handoff is set with ``set_item``: the
+    default ``deactivate`` undoes the feature. The worker callback (registered once per process) finds
+    no handoff after that."""
+
     options = SubcgroupsOptions
     ops: CgroupOps = CgroupOps()  # tests put a kernel emulator here for fake v2 trees
 
     def __init__(self, feature: Any) -> None:
         super().__init__(feature)
         self.partition: Partition | None = None
-        self._exported: str | None = None
         self._ctx: ActivationContext | None = None
 
     def _root(self, env: Environment, options: SubcgroupsOptions) -> str:
@@ -528,7 +533,7 @@ class Subcgroups(FeatureImpl):
             if not joined:
                 raise NotApplicable(message)
             ctx.log.info(f"subcgroups: {message}")
-            ctx.mark_active()
+            ctx.count()
             return
         self._activate_trainer(ctx, config, root)
 
@@ -560,6 +565,7 @@ class Subcgroups(FeatureImpl):
             raise RuntimeError(f"cgroup {h.label}: {exc}") from None
         self.partition = part
         self._ctx = ctx
+        ctx.patcher.defer(functools.partial(self._cleanup_and_log, ctx.log))
         ctx.at_exit(self._cleanup_at_exit)  # before the Summary, and on SIGTERM too
         ctx.set_config({"cgroup": h.label, "train": part.train, "data": part.data})
         ctx.detail("train_cpuset", f"cpus {format_cpulist(sets.train_cpus)} mems {format_cpulist(sets.train_mems)}")
@@ -568,40 +574,33 @@ class Subcgroups(FeatureImpl):
             ctx.detail("leaf", part.home)
         handoff = json.dumps({"group": part.data, "version": h.version, "pid": os.getpid()})
         environ: MutableMapping[str, str] = os.environ  # forked and spawned workers inherit it
-        environ[WORKER_ENV] = handoff
-        self._exported = handoff
+        ctx.patcher.set_item(environ, WORKER_ENV, handoff)
         _register_worker_hook(ctx, self.ops)
         ctx.log.info(f"subcgroups: local rank {local_rank} in {part.train} (CPUs {format_cpulist(sets.train_cpus)}, "
                      f"mems {format_cpulist(sets.train_mems)}); data workers go to {part.data} "
                      f"(CPUs {format_cpulist(sets.data_cpus)}) [{entry.rule}: {entry.why}]")
-        ctx.mark_active()
+        ctx.count()
 
     def _cleanup_at_exit(self) -> None:
         try:
-            notes = self._cleanup()
+            self._cleanup_and_log(log)
         except Exception as exc:  # exit must stay quiet whatever cgroupfs does
-            notes = [f"{type(exc).__name__}: {exc}"]
-        for note in notes:  # runs before the Summary: the log is still open and the details show there
-            log.warning(f"subcgroups: cleanup: {note}")
+            log.warning(f"subcgroups: cleanup: {type(exc).__name__}: {exc}")
+
+    def _cleanup_and_log(self, logger: Any) -> None:
+        for note in self._cleanup():  # at exit: before the Summary, the log is still open
+            logger.warning(f"subcgroups: cleanup: {note}")
 
     def _cleanup(self) -> list[str]:
+        """Remove this process's groups, once (at undo or at exit, whichever comes first)."""
         part = self.partition
         if part is None or os.getpid() != part.pid:
             return []
+        self.partition = None
         notes = remove(self.ops, part)
         if self._ctx is not None:
             self._ctx.detail("cleanup", "; ".join(notes) if notes else f"removed {len(part.created)} group(s)")
         return notes
-
-    def deactivate(self, ctx: ActivationContext) -> None:
-        super().deactivate(ctx)
-        notes = self._cleanup()
-        for note in notes:
-            ctx.log.warning(f"subcgroups: cleanup: {note}")
-        self.partition = None
-        if self._exported is not None and os.environ.get(WORKER_ENV) == self._exported:
-            del os.environ[WORKER_ENV]
-        self._exported = None
 
 
 def _numa_feature() -> Any:

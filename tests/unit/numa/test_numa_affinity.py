@@ -115,6 +115,42 @@ def test_trainer_prefers_its_memory_node(tmp_path: Path) -> None:
         assert out["policy"][0] == MPOL_PREFERRED and out["policy"][1] == [0]
 
 
+def test_default_deactivate_restores_and_reapplies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No deactivate of its own: ctx.patcher.undo() puts back the CPU mask, the memory policy and the
+    workers' plan (a value that was there before comes back); activating again binds again."""
+    from loongkit_core.kit import FeatureImpl
+
+    assert NumaAffinity.deactivate is FeatureImpl.deactivate
+    require_cpus_0_1()
+    two_cpu_two_node(tmp_path)
+    fake_workers_module(monkeypatch)
+    monkeypatch.setenv(WORKER_PLAN_ENV, "an older plan")
+    env = make_env(str(tmp_path), local_rank=0, local_world_size=2)
+    impl = NumaAffinity(numa_feature())
+    ctx, _ = make_ctx(env, impl.configure(env, None)[0])
+
+    def state() -> tuple:
+        return sorted(os.sched_getaffinity(0)), get_memory_policy(), os.environ.get(WORKER_PLAN_ENV)
+
+    def child() -> list:
+        seen = [state()]
+        for _ in range(2):
+            impl.activate(ctx, None)
+            seen.append((state(), ctx.record.details["memory"]))
+            impl.deactivate(ctx)
+            seen.append((state(), len(ctx.patcher)))
+        return seen
+
+    before, *rounds = run_forked(child)
+    assert before[0] == [0, 1] and before[2] == "an older plan"
+    for during, after in (rounds[0:2], rounds[2:4]):
+        (cpus, policy, plan), memory = during
+        assert cpus == [0] and json.loads(plan)["cpus"] == "0"
+        if memory == "preferred node 0":  # a seccomp profile may forbid set_mempolicy
+            assert policy[0] == MPOL_PREFERRED
+        assert after == [before, 0]  # run_forked hands back JSON: lists
+
+
 def test_worker_role_gets_data_cpus(tmp_path: Path) -> None:
     require_cpus_0_1()
     two_cpu_two_node(tmp_path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from loongkit_numa import cgroupfs, pagecache
@@ -248,3 +249,50 @@ def test_thread_starts_reclaims_and_stops(tmp_path: Path) -> None:
     reclaimer.stop()
     assert not reclaimer.running
     assert seen and seen[0] == (3 * G, 2 * G)
+
+
+# -- the feature in-process: apply -> the default deactivate -> apply again -----------------------------
+def _pagecache_threads() -> list[Any]:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "loongkit-pagecache" and t.is_alive()]
+
+
+def test_kernel_limit_default_deactivate_restores_and_reapplies(tmp_path: Path, loongkit_runtime: Any) -> None:
+    from loongkit_numa.pagecache import PageCacheLimit
+
+    from loongkit_core.feature import State
+    from loongkit_core.kit import FeatureImpl
+
+    assert PageCacheLimit.deactivate is FeatureImpl.deactivate
+    mem = write_cgroup_tree(tmp_path, version=2, memory_max=str(8 * G), pagecache_limit=ALINUX, global_switch="0")
+    switch = tmp_path / "sys/kernel/mm/pagecache_limit/enabled"
+
+    def files() -> tuple[str, ...]:
+        return (*((mem / f"memory.pagecache_limit.{k}").read_text().strip() for k in ("enable", "size", "sync")),
+                switch.read_text().strip())
+
+    before = files()
+    rt = loongkit_runtime({"LOONGKIT_PAGE_CACHE_LIMIT": "1", "LOONGKIT_SYSFS_ROOT": str(tmp_path)},
+                          activate={"page_cache_limit": None})
+    record = rt.records["page_cache_limit"]
+    for _ in range(2):
+        assert record.state == State.APPLIED and record.active, record.reason
+        assert files() == ("1", str(4 * G), "0", "1")
+        rt.deactivate("page_cache_limit")
+        assert files() == before and len(rt.contexts["page_cache_limit"].patcher) == 0
+        rt.activate(record, None)
+
+
+def test_reclaimer_default_deactivate_stops_it_and_reapplies(tmp_path: Path, loongkit_runtime: Any) -> None:
+    write_cgroup_tree(tmp_path, version=2, memory_max=str(8 * G), memory_reclaim=True)
+    assert _pagecache_threads() == []
+    rt = loongkit_runtime({"LOONGKIT_PAGE_CACHE_LIMIT": "1", "LOONGKIT_SYSFS_ROOT": str(tmp_path)},
+                          activate={"page_cache_limit": None})
+    record = rt.records["page_cache_limit"]
+    for _ in range(2):
+        assert record.reason == "page cache has not exceeded the limit yet"
+        assert len(_pagecache_threads()) == 1
+        rt.deactivate("page_cache_limit")
+        assert _pagecache_threads() == [] and len(rt.contexts["page_cache_limit"].patcher) == 0
+        rt.activate(record, None)

@@ -148,3 +148,34 @@ def test_invalid_cpuset_write_fails_and_removes_what_it_made(tmp_path: Path) -> 
     with pytest.raises(RuntimeError, match=r"cannot write '0' to .*loongkit-9-rank0-data/cpuset.mems: EBUSY"):
         impl.activate(ctx, None)
     assert children(job) == [] and ops.procs(job) == [ME]
+
+
+def test_default_deactivate_restores_and_reapplies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No deactivate of its own: ctx.patcher.undo() moves the processes home, removes the groups, the
+    leaf and +cpuset, and puts back the handoff variable found; activating again makes them again.
+    The exit hook that follows finds nothing left to do."""
+    from loongkit_numa.subcgroups import Subcgroups
+
+    from loongkit_core.kit import FeatureImpl
+
+    assert Subcgroups.deactivate is FeatureImpl.deactivate
+    monkeypatch.setenv(WORKER_ENV, "an older handoff")
+    root, job = tree(tmp_path, procs=(OTHER, ME))
+    impl, ctx, _ = make_ctx(root, {"SLURM_JOB_ID": "78"}, local_rank=0, local_world_size=2)
+    impl.ops = ops = FakeV2Ops(Path(root) / "sys/fs/cgroup")
+
+    def state() -> tuple[object, ...]:
+        return (children(job), (job / "cgroup.subtree_control").read_text().split(), sorted(ops.procs(job)),
+                os.environ.get(WORKER_ENV))
+
+    before = state()
+    assert before == ([], [], sorted([OTHER, ME]), "an older handoff")
+    for _ in range(2):
+        impl.activate(ctx, None)
+        train = job / "loongkit-78-rank0-train"
+        assert children(job) == sorted([LEAF, "loongkit-78-rank0-data", train.name]) and ops.procs(train) == [ME]
+        assert json.loads(os.environ[WORKER_ENV])["group"] == str(job / "loongkit-78-rank0-data")
+        impl.deactivate(ctx)
+        assert state() == before and len(ctx.patcher) == 0
+    impl._cleanup_at_exit()  # the exit hook after an undo: nothing left, nothing touched
+    assert state() == before
