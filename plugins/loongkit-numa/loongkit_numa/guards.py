@@ -11,6 +11,8 @@ Checks, each one WARNING line with the numbers and the suggested value:
 * at ``torch`` import: intra-op threads, inter-op threads, OMP_NUM_THREADS / MKL_NUM_THREADS as the
   user set them (torchrun sets OMP_NUM_THREADS=1 only when the user did not, so "1" under a
   multi-process torchrun is reported as torchrun's default, not the user's);
+* the intra-op threads again whenever the job sets them (``torch.set_num_threads``, observed) and
+  when a DataLoader iterator is created (the value in force, however it was set);
 * at each DataLoader construction: num_workers x local ranks (+ one pin-memory thread per rank);
 * at ``torch._inductor.config`` import: compile_threads x local ranks;
 * in each DataLoader worker, when cv2 is already imported there: OpenCV threads per worker.
@@ -22,11 +24,14 @@ LOONGKIT_CONFIG_GUARDS_APPLY_FIX=1 the suggested values are applied and each cha
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from pydantic import Field
@@ -201,8 +206,21 @@ def _mark_logged() -> None:
         os.environ[WORKER_ENV] = json.dumps(handoff)
 
 
+def _put_env(name: str, value: str | None) -> None:
+    """Set ``name`` back to ``value`` (None: remove it)."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
 # -- the feature ------------------------------------------------------------------------------------------
 class ConfigGuards(FeatureImpl):
+    """Every change goes through ``ctx.patcher`` (the patched functions, ``assign`` for the inductor
+    config, ``set_item`` for thread variables, ``defer`` for the intra-op pool, the workers' handoff
+    variable and the worker callback's switch), so the default ``deactivate`` undoes the feature. Not
+    undone: ``torch.set_num_interop_threads`` (torch accepts one call per process)."""
+
     options = GuardsOptions
 
     def __init__(self, feature: Any) -> None:
@@ -211,9 +229,8 @@ class ConfigGuards(FeatureImpl):
         self._user_vars: dict[str, tuple[int | None, str]] | None = None
         self._logged: set[str] = set()
         self._config: dict[str, Any] = {}
-        self._worker_hook = False
+        self._worker_hook = False  # set through ctx.patcher.assign: False again after an undo
         self._workers_started = False  # a worker set has already started: later ones stay quiet
-        self._live = True
 
     def detect(self, env: Environment) -> str | None:
         if env.process.role in (LAUNCHER, HELPER):
@@ -279,11 +296,12 @@ class ConfigGuards(FeatureImpl):
             return
         import torch
 
-        self._check_threads(ctx, torch)
-        self._patch_dataloader(ctx, torch)
+        recheck = self._check_threads(ctx, torch)
+        self._patch_dataloader(ctx, torch, recheck)
         self._register_worker_hook(ctx)
 
-    def _check_threads(self, ctx: ActivationContext, torch: Any) -> None:
+    def _check_threads(self, ctx: ActivationContext, torch: Any) -> Callable[[str], None]:
+        """The thread checks at torch's import; returns the intra-op pool's re-check (see _watch_intra_op)."""
         budget, lws, fix = self.budget(ctx), self._lws(ctx), self._apply_fix(ctx)
         assert self._user_vars is not None
         user = self._user_vars
@@ -301,18 +319,12 @@ class ConfigGuards(FeatureImpl):
             self.report(ctx, finding)
             reported_omp = reported_omp or name == "OMP_NUM_THREADS"
             if fix:
-                os.environ[name] = str(finding.suggested)  # for the processes this one starts
+                ctx.patcher.set_item(os.environ, name, str(finding.suggested))  # for the processes this one starts
                 self.changed(ctx, f"set {name} {value} -> {finding.suggested} for child processes")
         # torch's pool follows OMP_NUM_THREADS: one finding for both when they agree.
         from_omp = omp is not None and omp == intra
-        finding = check_threads(f"torch intra-op threads ({'from OMP_NUM_THREADS' if from_omp else 'torch default'})",
-                                intra, lws, budget, "torch.set_num_threads({})")
-        if finding is not None:
-            if not (from_omp and reported_omp):
-                self.report(ctx, finding)
-            if fix:
-                torch.set_num_threads(finding.suggested)
-                self.changed(ctx, f"torch.set_num_threads({finding.suggested}) (was {intra})")
+        recheck = self._watch_intra_op(ctx, torch, 'from OMP_NUM_THREADS' if from_omp else 'torch default',
+                                       report=not (from_omp and reported_omp))
         interop = int(torch.get_num_interop_threads())
         finding = check_threads("torch inter-op threads", interop, lws, budget, "torch.set_num_interop_threads({})")
         if finding is not None:
@@ -325,7 +337,54 @@ class ConfigGuards(FeatureImpl):
                 else:
                     self.changed(ctx, f"torch.set_num_interop_threads({finding.suggested}) (was {interop})")
                     self._tolerate_second_interop_call(ctx, torch)
-        ctx.mark_active()
+        ctx.count()
+        return recheck
+
+    def _watch_intra_op(self, ctx: ActivationContext, torch: Any, origin: str, report: bool) -> Callable[[str], None]:
+        """Check the intra-op pool now, and again whenever the job changes it: ``torch.set_num_threads``
+        is observed through the patcher, and the returned ``recheck(origin)`` (run when a DataLoader
+        iterator is created) catches a pool set behind it. With APPLY_FIX the suggestion is set; undo
+        puts back what the job asked for."""
+        original = torch.set_num_threads
+        budget, lws, fix = self.budget(ctx), self._lws(ctx), self._apply_fix(ctx)
+        checked = [int(torch.get_num_threads())]  # the pool as last checked (after any fix)
+        wanted = [checked[0]]  # what the job asked for
+        fixed = [False]
+
+        def check(value: int, where: str, log_it: bool = True) -> None:
+            checked[0] = wanted[0] = value
+            finding = check_threads(f"torch intra-op threads ({where})", value, lws, budget,
+                                    "torch.set_num_threads({})")
+            if finding is None:
+                return
+            if log_it:
+                self.report(ctx, finding)
+            if fix:
+                original(finding.suggested)
+                checked[0], fixed[0] = finding.suggested, True
+                self.changed(ctx, f"torch.set_num_threads({finding.suggested}) (was {value})")
+
+        def recheck(where: str) -> None:
+            value = int(torch.get_num_threads())
+            if value != checked[0]:  # the same pool as last time: nothing new
+                check(value, where)
+
+        check(checked[0], origin, report)
+        if fix:
+            ctx.patcher.defer(lambda: original(wanted[0]) if fixed[0] else None)
+
+        def set_num_threads(n: int) -> None:
+            original(n)  # the job's call first: its errors are torch's own
+            try:
+                wanted[0] = int(torch.get_num_threads())
+                recheck("torch.set_num_threads")
+            except Exception as exc:  # a guard must never break the job's call
+                ctx.log.info(f"config_guards: intra-op check skipped: {type(exc).__name__}: {exc}")
+
+        set_num_threads.__wrapped__ = original  # type: ignore[attr-defined]
+        set_num_threads.__doc__ = getattr(original, "__doc__", None)
+        ctx.patcher.patch(torch, "set_num_threads", set_num_threads)
+        return recheck
 
     def _tolerate_second_interop_call(self, ctx: ActivationContext, torch: Any) -> None:
         """torch allows set_num_interop_threads once per process; after our fix, a user's own call
@@ -349,12 +408,12 @@ class ConfigGuards(FeatureImpl):
         budget, lws = self.budget(ctx), self._lws(ctx)
         finding = check_threads("inductor compile_threads", value, lws, budget,
                                 "torch._inductor.config.compile_threads={}")
-        ctx.mark_active()
+        ctx.count()
         if finding is None:
             return
         self.report(ctx, finding)
         if self._apply_fix(ctx):
-            config.compile_threads = finding.suggested
+            ctx.patcher.assign(config, "compile_threads", finding.suggested)
             self.changed(ctx, f"torch._inductor.config.compile_threads {value} -> {finding.suggested}")
 
     def _pin_threads(self, torch: Any, pin_memory: bool) -> int:
@@ -367,7 +426,8 @@ class ConfigGuards(FeatureImpl):
             available = False
         return 1 if available else 0
 
-    def _patch_dataloader(self, ctx: ActivationContext, torch: Any) -> None:
+    def _patch_dataloader(self, ctx: ActivationContext, torch: Any,
+                          recheck: Callable[[str], None] = lambda where: None) -> None:
         loader_cls = getattr(getattr(torch.utils, "data", None), "DataLoader", None)
         if loader_cls is None or any(owner is loader_cls for owner, _ in ctx.patcher.patched):
             return
@@ -379,6 +439,9 @@ class ConfigGuards(FeatureImpl):
         if "num_workers" not in signature.parameters:
             raise NotApplicable("DataLoader.__init__ has no num_workers parameter")
         guards = self
+        # The handoff to the workers (written per DataLoader, and when the first workers start): undo
+        # puts back what was there before.
+        ctx.patcher.defer(functools.partial(_put_env, WORKER_ENV, os.environ.get(WORKER_ENV)))
 
         def __init__(loader: Any, *args: Any, **kwargs: Any) -> None:
             try:
@@ -394,8 +457,12 @@ class ConfigGuards(FeatureImpl):
         original_iter = loader_cls.__iter__
 
         def __iter__(loader: Any) -> Any:
+            try:  # the pool in force now, as the job left it (set behind torch.set_num_threads, too)
+                recheck("in force when a DataLoader iterated")
+            except Exception as exc:  # a guard must never stop the user's DataLoader
+                ctx.log.info(f"config_guards: intra-op check skipped: {type(exc).__name__}: {exc}")
             iterator = original_iter(loader)
-            if guards._live and not guards._workers_started and getattr(loader, "num_workers", 0) > 0:
+            if not guards._workers_started and getattr(loader, "num_workers", 0) > 0:
                 # The first set of workers has started (and logged): later epochs and loaders stay quiet.
                 guards._workers_started = True
                 _mark_logged()
@@ -407,15 +474,13 @@ class ConfigGuards(FeatureImpl):
 
     def _on_dataloader(self, ctx: ActivationContext, torch: Any, signature: inspect.Signature, loader: Any,
                        args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if not self._live:
-            return args, kwargs
         bound = signature.bind(loader, *args, **kwargs)
         num_workers = bound.arguments.get("num_workers", 0)
         if not isinstance(num_workers, int):
             return args, kwargs
         pin = self._pin_threads(torch, bool(bound.arguments.get("pin_memory", False)))
         budget, lws = self.budget(ctx), self._lws(ctx)
-        ctx.mark_active()
+        ctx.count()
         finding = check_dataloader(num_workers, pin, lws, budget)
         workers = num_workers
         if finding is not None:
@@ -441,16 +506,16 @@ class ConfigGuards(FeatureImpl):
             return
         from loongkit_core.workers import on_worker_start as register
 
-        log = ctx.log
+        log, count = ctx.log, ctx.count
+        # A worker callback cannot be unregistered: this one runs while its switch is on, which
+        # ctx.patcher.assign turns on and the default deactivate off again (with _worker_hook, so that
+        # an activation after the undo registers its own).
+        switch = SimpleNamespace(on=False)
+        ctx.patcher.assign(switch, "on", True)
+        ctx.patcher.assign(self, "_worker_hook", True)
 
         def callback(worker_id: int) -> None:
-            if self._live and on_worker_start(worker_id, log) is not None:
-                ctx.mark_active()
+            if switch.on and on_worker_start(worker_id, log) is not None:
+                count()
 
         register(callback, owner="config_guards")
-        self._worker_hook = True
-
-    def deactivate(self, ctx: ActivationContext) -> None:
-        self._live = False
-        os.environ.pop(WORKER_ENV, None)
-        super().deactivate(ctx)

@@ -225,4 +225,97 @@ def test_worker_role_only_hooks_workers(guard_ctx: Any) -> None:
     impl, ctx, log = guard_ctx(role=WORKER, environ={"OMP_NUM_THREADS": "64"}, tree=dict(cpus="0-1"))
     impl.activate(ctx, "torch")
     assert ctx.record.config["findings"] == [] and log.at("warning") == []
-    assert ctx.patcher.patched == []
+    # Only the worker callback's switches are recorded: nothing of torch is patched in a worker.
+    assert [name for _, name in ctx.patcher.patched] == ["on", "_worker_hook"] and impl._worker_hook
+    impl.deactivate(ctx)
+    assert not impl._worker_hook and len(ctx.patcher) == 0
+
+
+# -- issue 17: the intra-op pool as the job sets it, not only at boot ----------------------------------
+INTRA_SET = ("torch intra-op threads (torch.set_num_threads)=4 x 2 local ranks = 8 > 2 CPUs available to this "
+             "node's job; suggest torch.set_num_threads(1)")
+
+
+def test_intra_op_threads_set_after_boot(guard_ctx: Any) -> None:
+    impl, ctx, log = guard_ctx(local_rank=0, lws=2, tree=dict(cpus="0-1"))
+    torch.set_num_threads(1)  # nothing to find at boot
+    try:
+        _activate(impl, ctx)
+        assert not any("intra-op" in f for f in ctx.record.config["findings"])
+        torch.set_num_threads(4)  # the job's own call, after torch's import
+        assert torch.get_num_threads() == 4  # no APPLY_FIX: the job's value stays
+        assert INTRA_SET in ctx.record.config["findings"]
+        assert log.at("warning").count(f"config_guards: {INTRA_SET}") == 1
+        torch.set_num_threads(4)
+        iter(torch.utils.data.DataLoader(list(range(4)), num_workers=0))
+        assert log.at("warning").count(f"config_guards: {INTRA_SET}") == 1  # the same finding: logged once
+    finally:
+        impl.deactivate(ctx)
+
+
+def test_intra_op_threads_checked_when_the_loader_iterates(guard_ctx: Any) -> None:
+    """A pool set behind the patched function (a name bound before torch's import hook ran, a C++
+    library): found when the DataLoader iterator is created."""
+    impl, ctx, _ = guard_ctx(local_rank=0, lws=2, tree=dict(cpus="0-1"))
+    torch.set_num_threads(1)
+    set_directly = torch._C.set_num_threads  # what torch.set_num_threads is, unpatched
+    try:
+        _activate(impl, ctx)
+        loader = torch.utils.data.DataLoader(list(range(4)), num_workers=0)
+        set_directly(3)
+        assert not any("intra-op" in f for f in ctx.record.config["findings"])
+        iter(loader)
+        assert ("torch intra-op threads (in force when a DataLoader iterated)=3 x 2 local ranks = 6 > 2 CPUs "
+                "available to this node's job; suggest torch.set_num_threads(1)") in ctx.record.config["findings"]
+    finally:
+        impl.deactivate(ctx)
+
+
+def test_apply_fix_clamps_the_jobs_intra_op_call_and_undo_restores_it(guard_ctx: Any) -> None:
+    impl, ctx, _ = guard_ctx(environ={"LOONGKIT_CONFIG_GUARDS_APPLY_FIX": "1"}, local_rank=0, lws=2,
+                             tree=dict(cpus="0-1"))
+    torch.set_num_threads(1)
+    original = torch.set_num_threads
+    try:
+        _activate(impl, ctx)
+        torch.set_num_threads(4)
+        assert torch.get_num_threads() == 1
+        assert "torch.set_num_threads(1) (was 4)" in ctx.record.config["changes"]
+    finally:
+        impl.deactivate(ctx)
+    assert torch.set_num_threads is original
+    assert torch.get_num_threads() == 4  # what the job asked for, once loongkit's fix is undone
+
+
+def test_default_deactivate_restores_and_reapplies(guard_ctx: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With APPLY_FIX every kind of change is made (thread variable, intra-op pool, DataLoader patches,
+    the workers' handoff, inductor's compile_threads); the default deactivate (no override) puts each
+    back, and activating again does it all again."""
+    from loongkit_core.kit import FeatureImpl
+
+    assert guards.ConfigGuards.deactivate is FeatureImpl.deactivate
+    monkeypatch.setenv("OMP_NUM_THREADS", "16")  # what the fix rewrites for child processes
+    impl, ctx, _ = guard_ctx(environ={"OMP_NUM_THREADS": "16", "LOONGKIT_CONFIG_GUARDS_APPLY_FIX": "1"},
+                             local_rank=0, lws=2, tree=dict(cpus="0-1"))
+    inductor = types.ModuleType(guards.INDUCTOR_TARGET)
+    inductor.compile_threads = 32  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, guards.INDUCTOR_TARGET, inductor)
+    torch.set_num_threads(2)
+    loader_cls = torch.utils.data.DataLoader
+
+    def state() -> tuple[Any, ...]:
+        return (torch.set_num_threads, loader_cls.__dict__["__init__"], loader_cls.__dict__["__iter__"],
+                guards.os.environ.get("OMP_NUM_THREADS"), guards.os.environ.get(guards.WORKER_ENV),
+                torch.get_num_threads(), inductor.compile_threads)  # type: ignore[attr-defined]
+
+    before = state()
+    assert before[3:] == ("16", None, 2, 32)
+    for _ in range(2):
+        impl.activate(ctx, "torch")
+        impl.activate(ctx, guards.INDUCTOR_TARGET)
+        assert (torch.get_num_threads(), guards.os.environ["OMP_NUM_THREADS"], inductor.compile_threads) == (
+            1, "1", 1)  # type: ignore[attr-defined]
+        assert loader_cls(list(range(4)), num_workers=8).num_workers == 1
+        assert json.loads(guards.os.environ[guards.WORKER_ENV])["workers"] == 1
+        impl.deactivate(ctx)
+        assert state() == before and len(ctx.patcher) == 0

@@ -30,11 +30,11 @@ def warning_lines(logs: str, message: str) -> list[str]:
     return [line for line in logs.splitlines() if "level=warning" in line and message in line]
 
 
-def _torchrun(tmp_path: Path, run_loongkit: Any, port: int, **extra: str) -> Any:
+def _torchrun(tmp_path: Path, run_loongkit: Any, port: int, script_text: str = SCRIPT, **extra: str) -> Any:
     root = tmp_path / "sysroot"
     write_cgroup_tree(root, version=2, cpus="0-1", cpu_max="max 100000")
     script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
+    script.write_text(script_text)
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
     env = {"LOONGKIT_CONFIG_GUARDS": "1", "LOONGKIT_SYSFS_ROOT": str(root), **extra}
     return run_loongkit(env=env, argv=[torchrun, "--nproc-per-node", "2", "--master-port", str(port), str(script)],
@@ -65,6 +65,43 @@ def test_two_ranks_apply_fix_clamps_workers(tmp_path: Path, run_loongkit: Any) -
     assert len(warning_lines(logs, WARNING)) == 1, logs
     assert len(warning_lines(logs, "DataLoader num_workers 8 -> 1")) == 1, logs  # each change, once per node
     assert "DataLoader num_workers 8 -> 1" in r.feature("config_guards")["config"]["changes"]
+
+
+# Issue 17: the job sets its intra-op pool after torch's import (where the boot check ran), before
+# its DataLoader; 4 threads x 2 ranks on 2 CPUs must be found like the inter-op pool and num_workers.
+INTRA_SCRIPT = """
+import os
+import torch
+from torch.utils.data import DataLoader
+
+torch.set_num_threads(4)
+loader = DataLoader(list(range(8)), batch_size=4, num_workers=2)
+batches = sum(1 for _ in loader)
+print(f"rank {os.environ['LOCAL_RANK']} threads={torch.get_num_threads()} batches={batches}", flush=True)
+"""
+
+INTRA = ("torch intra-op threads (torch.set_num_threads)=4 x 2 local ranks = 8 > 2 CPUs available to this node's "
+         "job; suggest torch.set_num_threads(1)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fix", ["0", "1"])
+def test_two_ranks_intra_op_threads_set_by_the_job(tmp_path: Path, run_loongkit: Any, fix: str) -> None:
+    r = _torchrun(tmp_path, run_loongkit, free_port(), INTRA_SCRIPT, LOONGKIT_CONFIG_GUARDS_APPLY_FIX=fix)
+    assert r.returncode == 0, r.stderr
+    threads = 1 if fix == "1" else 4
+    assert sorted(line for line in r.stdout.splitlines() if line.startswith("rank")) == [
+        f"rank 0 threads={threads} batches=2", f"rank 1 threads={threads} batches=2"]
+    logs = r.logs()
+    lines = warning_lines(logs, INTRA)
+    assert len(lines) == 1 and "rank=0" in lines[0], logs  # local rank 0 only, once
+    config = r.feature("config_guards")["config"]
+    assert INTRA in config["findings"]
+    assert any("inter-op threads" in f for f in config["findings"])  # what was found before, still found
+    assert any("num_workers=2 x 2 local ranks" in f for f in config["findings"])
+    if fix == "1":
+        assert "torch.set_num_threads(1) (was 4)" in config["changes"]
+        assert len(warning_lines(logs, "torch.set_num_threads(1) (was 4)")) == 1, logs
 
 
 CV2_STANDIN = """
