@@ -1,0 +1,156 @@
+"""Ranks report to local rank 0 (files) and to global rank 0 (the job's torch.distributed store).
+
+Never a collective on the job's process group: a rank's report is a small JSON document
+
+* written as ``mon-rank-<rank>.json`` in the node's activity channel (the directory torchrun's local
+  ranks share, :func:`loongkit_core.activity.job_directory`), which local rank 0 reads; and
+* set under ``loongkit-monitor/<torchrun restart>/rank/<rank>`` in the store ``init_process_group`` made (torchrun's
+  agent store, a TCPStore), which global rank 0 reads, so ranks on other nodes are seen too.
+
+The store is captured while the process group is up (the job may destroy it before exit; the
+client object stays usable while its server, torchrun's agent, lives). At exit each rank publishes,
+then rank 0 (local or global) polls for the others' reports with ``store.check`` (non-blocking) for
+at most ``wait`` seconds. Any failure loses only the other ranks' figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+STORE_PREFIX = "loongkit-monitor/"
+FILE_PREFIX = "mon-rank-"
+WAIT = 5.0  # seconds rank 0 waits at exit for the other ranks' reports
+POLL = 0.05
+
+
+def rank_file(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"{FILE_PREFIX}{rank}.json")
+
+
+def default_store() -> Any:
+    """The store of torch.distributed's default process group, or None (not initialised, no torch)."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return None
+    try:
+        if not dist.is_available() or not dist.is_initialized():
+            return None
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+class Gatherer:
+    """One rank's side of the exchange."""
+
+    def __init__(self, directory: str | None, rank: int, local_rank: int, world_size: int,
+                 local_world_size: int, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.directory = directory
+        self.rank = rank
+        self.local_rank = local_rank
+        self.world_size = max(1, world_size)
+        self.local_world_size = max(1, local_world_size)
+        self.store: Any = None
+        self.clock = clock
+        self.sleep = sleep
+        self.notes: list[str] = []
+        # A torchrun restart starts a new round on the same agent store: keys of earlier rounds are stale.
+        self.key_prefix = f"{STORE_PREFIX}{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/rank/"
+
+    @property
+    def collects_node(self) -> bool:
+        return self.local_rank == 0 and self.local_world_size > 1
+
+    @property
+    def collects_job(self) -> bool:
+        return self.rank == 0 and self.world_size > 1
+
+    def capture_store(self, store: Any = None) -> None:
+        """Keep the job's store (call while the process group is initialised)."""
+        if self.store is None:
+            self.store = store if store is not None else default_store()
+
+    def publish(self, report: dict[str, Any]) -> None:
+        payload = json.dumps(report)
+        if self.directory is not None and self.local_world_size > 1:
+            from loongkit_core import activity
+
+            try:
+                activity.write_report(rank_file(self.directory, self.rank), report)
+            except OSError as exc:
+                self.notes.append(f"cannot write the rank report: {exc}")
+        if self.store is not None and self.world_size > 1:
+            try:
+                self.store.set(f"{self.key_prefix}{self.rank}", payload)
+            except Exception as exc:
+                self.notes.append(f"torch.distributed store unusable: {exc}")
+                self.store = None
+
+    def _from_files(self, found: dict[int, dict[str, Any]]) -> None:
+        if self.directory is None:
+            return
+        from loongkit_core import activity
+
+        try:
+            names = [n for n in os.listdir(self.directory) if n.startswith(FILE_PREFIX) and n.endswith(".json")]
+        except OSError:
+            return
+        for name in names:
+            try:
+                rank = int(name[len(FILE_PREFIX):-len(".json")])
+            except ValueError:
+                continue
+            if rank in found:
+                continue
+            data = activity.read_report(os.path.join(self.directory, name))
+            if data is not None:
+                found[rank] = data
+
+    def _from_store(self, found: dict[int, dict[str, Any]]) -> None:
+        if self.store is None:
+            return
+        try:
+            for rank in range(self.world_size):
+                key = f"{self.key_prefix}{rank}"
+                if rank in found or not self.store.check([key]):
+                    continue
+                data = json.loads(self.store.get(key))
+                if isinstance(data, dict):
+                    found[rank] = data
+        except Exception as exc:
+            self.notes.append(f"torch.distributed store unusable: {exc}")
+            self.store = None
+
+    def expected(self) -> int:
+        if self.collects_job and self.store is not None:
+            return self.world_size
+        return self.local_world_size
+
+    def collect(self, own: dict[str, Any], wait: float = WAIT) -> dict[int, dict[str, Any]]:
+        """Rank 0 (local or global): every rank's report it can get within ``wait`` seconds."""
+        found: dict[int, dict[str, Any]] = {self.rank: own}
+        if not (self.collects_node or self.collects_job):
+            return found
+        deadline = self.clock() + wait
+        while True:
+            if self.collects_node:
+                self._from_files(found)
+            if self.collects_job:
+                self._from_store(found)
+            if len(found) >= self.expected() or self.clock() >= deadline:
+                break
+            self.sleep(POLL)
+        missing = self.expected() - len(found)
+        if missing > 0:
+            self.notes.append(f"{missing} rank(s) sent no monitor report within {wait:g} s")
+        return found
+

@@ -1,0 +1,143 @@
+"""What a process uses, read cheaply from the kernel: CPU time, resident and private memory, faults.
+
+No psutil: ``getrusage`` (CPU time of every thread, page faults), ``/proc/self/statm`` (resident
+pages) and ``schedstat`` (time spent runnable, waiting for a CPU) cost a few microseconds;
+``/proc/self/smaps_rollup`` (private memory, what copy-on-write in forked DataLoader workers makes
+grow while RSS stays flat) costs milliseconds and is read by the workers' sampler thread only, off
+the training thread.
+
+The CPUs a job may use: the affinity mask, capped by the cgroup CPU quota when the numa plugin's
+reader is installed (``loongkit_numa.cgroupfs``, the project's one reader of cgroup quotas).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from dataclasses import asdict, dataclass
+
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+@dataclass(frozen=True)
+class Usage:
+    """One sample of one process."""
+
+    t: float  # time.time() (comparable between the processes of a node)
+    cpu_s: float  # user + system seconds of all its threads since it started
+    rss: int  # resident bytes
+    minflt: int  # minor page faults since it started
+    majflt: int  # major page faults (read from disk) since it started
+    private: int | None = None  # Private_Clean + Private_Dirty bytes (smaps_rollup), None if not read
+    run_delay_s: float | None = None  # its main thread's time runnable but waiting for a CPU (schedstat)
+
+    def to_json(self) -> dict[str, float | int | None]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: object) -> Usage | None:
+        if not isinstance(data, dict):
+            return None
+        try:
+            private, delay = data.get("private"), data.get("run_delay_s")
+            return cls(float(data["t"]), float(data["cpu_s"]), int(data["rss"]), int(data["minflt"]),
+                       int(data["majflt"]), None if private is None else int(private),
+                       None if delay is None else float(delay))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+def rss_bytes(path: str = "/proc/self/statm") -> int:
+    """Resident bytes from statm's second field (0 when unreadable)."""
+    try:
+        with open(path, "rb") as fh:
+            fields = fh.read(256).split()
+        return int(fields[1]) * PAGE_SIZE
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def private_bytes(path: str = "/proc/self/smaps_rollup") -> int | None:
+    """Private_Clean + Private_Dirty in bytes, or None when the kernel has no smaps_rollup."""
+    try:
+        with open(path, "rb") as fh:
+            text = fh.read(1 << 14)
+    except OSError:
+        return None
+    total = 0
+    found = False
+    for line in text.splitlines():
+        if line.startswith((b"Private_Clean:", b"Private_Dirty:")):
+            parts = line.split()
+            try:
+                total += int(parts[1]) * 1024  # the kernel writes kB
+                found = True
+            except (IndexError, ValueError):
+                return None
+    return total if found else None
+
+
+def run_delay(path: str = "/proc/thread-self/schedstat") -> float | None:
+    """Seconds the calling thread was runnable but waited for a CPU (schedstat's second field): what
+    a process loses to other processes, or to its own extra threads, on the CPUs it may use."""
+    try:
+        with open(path, "rb") as fh:
+            return int(fh.read(128).split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def sample(private: bool = False, thread: bool = True) -> Usage:
+    """This process, now; ``thread``: the calling thread's wait for a CPU (the worker's sampler thread
+    passes False and reads the process's main thread instead)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return Usage(time.time(), ru.ru_utime + ru.ru_stime, rss_bytes(), ru.ru_minflt, ru.ru_majflt,
+                 private_bytes() if private else None,
+                 run_delay() if thread else run_delay("/proc/self/schedstat"))
+
+
+def affinity() -> frozenset[int]:
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return frozenset(range(os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class CpuAllowance:
+    cpus: float  # CPUs this rank's processes may keep busy
+    mask: int  # CPUs in their affinity masks
+    quota: float | None  # the cgroup quota of the node's job in CPUs (None: unlimited or unread)
+    ranks: int  # local ranks sharing the quota
+    note: str = ""
+
+    def describe(self) -> str:
+        if self.quota is not None and self.cpus < self.mask:
+            shared = f", shared by {self.ranks} local ranks" if self.ranks > 1 else ""
+            return f"cgroup quota {self.quota:g} CPUs{shared}"
+        return f"{self.mask} CPUs in the affinity mask"
+
+
+def cgroup_quota(root: str = "/") -> tuple[float | None, str]:
+    """The tightest cgroup CPU quota (CPUs) along this process's groups, and a note when unread."""
+    try:
+        from loongkit_numa import cgroupfs
+    except ImportError:
+        return None, "cgroup CPU quota not read (loongkit-numa, its reader, is not installed)"
+    try:
+        quota, _notes = cgroupfs.cpu_quota(root)
+    except Exception as exc:  # a reader bug must not cost the report
+        return None, f"cgroup CPU quota not read: {exc}"
+    return (None if quota is None else float(quota.cpus)), ""
+
+
+def allowance(cpus: frozenset[int], local_ranks: int = 1, root: str = "/") -> CpuAllowance:
+    """What ``cpus`` (the union of a rank's and its workers' affinity masks) allow under the quota."""
+    mask = len(cpus) or os.cpu_count() or 1
+    quota, note = cgroup_quota(root)
+    ranks = max(1, local_ranks)
+    allowed = float(mask)
+    if quota is not None:
+        allowed = min(allowed, quota / ranks)
+    return CpuAllowance(allowed, mask, quota, ranks, note)

@@ -1,0 +1,172 @@
+"""The hot path: one call per training step, one per batch fetch, one per synchronising call.
+
+Everything here is a few float additions and an ``array`` append: no lock, no syscall but the clock,
+no allocation per step beyond the arrays' amortised growth. The figures (medians, shares) are
+computed at exit by :mod:`loongkit_monitor.analysis` from the arrays kept here.
+
+A *step* is the time between two step boundaries (an optimizer step of the job's first optimizer,
+or the end of a training-loop iteration of mmengine / mmcv 1.x). The first step starts at the job's
+first batch fetch (or first loop iteration) when there is one; otherwise the first boundary only
+starts the clock. Time while the recorder is *paused* (a validation loop inside training) belongs to
+no step.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+MAX_KEPT = 1 << 20  # per-step figures kept (8 bytes each, three arrays); later steps are counted only
+
+
+@dataclass
+class LoaderStats:
+    """One DataLoader iterator as the main process saw it."""
+
+    num_workers: int
+    persistent: bool
+    context: str  # multiprocessing start method of its workers ("fork", "spawn", ...; "" without workers)
+    batches: int = 0
+    wait_s: float = 0.0
+    epochs: int = 0  # times its first batch was fetched (a new or reset iterator)
+    epoch_start_wait_s: float = 0.0  # creating the iterator (starting workers) and its first batch
+    iter_s: float = 0.0  # of which in DataLoader.__iter__ (not in wait_s, the batches' waits)
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def loader_stats(iterator: Any) -> LoaderStats:
+    """What a ``_BaseDataLoaderIter`` says about its loader (private attributes: read defensively)."""
+    workers = int(getattr(iterator, "_num_workers", 0) or 0)
+    context = ""
+    if workers:
+        ctx = getattr(iterator, "_multiprocessing_context", None)
+        name = getattr(ctx, "get_start_method", None)
+        if callable(name):
+            try:
+                context = str(name())
+            except Exception:
+                context = ""
+        if not context:
+            import multiprocessing
+
+            context = multiprocessing.get_start_method(allow_none=True) or "fork"
+    return LoaderStats(workers, bool(getattr(iterator, "_persistent_workers", False)), context)
+
+
+class StepRecorder:
+    """Per-step wall time, data wait and synchronisation time of this process."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.steps = 0  # step boundaries seen
+        self.walls = array("d")  # per timed step: seconds, paused time excluded
+        self.waits = array("d")  # per timed step: seconds in the DataLoader iterator
+        self.syncs = array("d")  # per timed step: seconds in backward and blocking collectives
+        self.first_timed = 0  # step number (1-based) of walls[0]
+        self.last: float | None = None  # the clock at the last boundary (or at the first step's start)
+        self.wait = 0.0  # accumulated within the current step
+        self.sync = 0.0
+        self.paused_s = 0.0
+        self.paused_at: float | None = None
+        self.total_paused_s = 0.0
+        self.untimed_wait_s = 0.0  # data wait outside steps (paused, or after the last boundary)
+        self.loaders: dict[int, LoaderStats] = {}
+        self._last_iter: Any = None
+        self._last_stats: LoaderStats | None = None
+        self._iter_s = 0.0  # the last DataLoader.__iter__'s seconds, until the first batch it leads to
+
+    # -- boundaries ----------------------------------------------------------------------------
+    def start(self, now: float | None = None) -> None:
+        """The first step starts now (a loop's first iteration), unless a fetch already started it."""
+        if self.last is None:
+            self.last = self.clock() if now is None else now
+
+    def step(self, now: float | None = None) -> float | None:
+        """A step boundary; returns the step's wall time (None for an untimed first step)."""
+        if now is None:
+            now = self.clock()
+        self.steps += 1
+        wall = None
+        if self.paused_at is not None:  # a boundary inside a pause: the pause so far is not the step's
+            self.paused_s += now - self.paused_at
+            self.paused_at = now
+        if self.last is not None:
+            wall = now - self.last - self.paused_s
+            if len(self.walls) < MAX_KEPT:
+                if not self.walls:
+                    self.first_timed = self.steps
+                self.walls.append(wall)
+                self.waits.append(self.wait)
+                self.syncs.append(self.sync)
+        self.last = now
+        self.wait = self.sync = self.paused_s = 0.0
+        return wall
+
+    # -- inside a step -------------------------------------------------------------------------
+    def waited(self, iterator: Any, t0: float, t1: float, first: bool) -> None:
+        """The main process spent ``t0..t1`` in ``iterator.__next__`` (``first``: its first batch)."""
+        if iterator is self._last_iter:
+            stats = self._last_stats
+        else:
+            key = id(iterator)
+            stats = self.loaders.get(key)
+            if stats is None:
+                stats = self.loaders[key] = loader_stats(iterator)
+            self._last_iter, self._last_stats = iterator, stats
+        seconds = t1 - t0
+        assert stats is not None
+        stats.batches += 1
+        stats.wait_s += seconds
+        if first:
+            stats.epochs += 1
+            stats.epoch_start_wait_s += seconds + self._iter_s
+            stats.iter_s += self._iter_s
+            self._iter_s = 0.0
+        if self.paused_at is not None:
+            self.untimed_wait_s += seconds
+            return
+        if self.last is None:
+            self.last = t0  # the job's first fetch starts its first step
+        self.wait += seconds
+
+    def iterated(self, loader: Any, seconds: float) -> None:
+        """``DataLoader.__iter__`` took ``seconds`` (workers started, or a persistent iterator reset)."""
+        self._iter_s += seconds
+        if self.paused_at is not None:
+            self.untimed_wait_s += seconds
+            return
+        if self.last is None:
+            self.last = self.clock() - seconds
+        self.wait += seconds
+
+    def synced(self, seconds: float) -> None:
+        """Seconds in a synchronising call (backward, a blocking collective)."""
+        if self.paused_at is None:
+            self.sync += seconds
+
+    # -- pauses (validation inside the training loop) ------------------------------------------
+    def pause(self) -> None:
+        if self.paused_at is None:
+            self.paused_at = self.clock()
+
+    def resume(self) -> None:
+        if self.paused_at is not None:
+            elapsed = self.clock() - self.paused_at
+            self.paused_s += elapsed
+            self.total_paused_s += elapsed
+            self.paused_at = None
+
+    @property
+    def timed(self) -> int:
+        return len(self.walls)
+
+    def main_loader(self) -> LoaderStats | None:
+        """The iterator that delivered the most batches: the training loader."""
+        if not self.loaders:
+            return None
+        return max(self.loaders.values(), key=lambda s: s.batches)
