@@ -168,8 +168,8 @@ def loongkit_runtime(loongkit_env: pytest.MonkeyPatch) -> Iterator[Callable[...,
         return rt
 
     yield make
-    for rt in made:
-        for name in list(rt.contexts):
+    for rt in reversed(made):
+        for name in reversed(list(rt.contexts)):  # newest first: patches of one attribute stack
             rt.deactivate(name)
 
 
