@@ -71,7 +71,7 @@ def msda_case(bs: int, queries: int, heads: int, channels: int, levels: list[tup
 
 
 def bench_msda(quick: bool, reps: int) -> None:
-    from loongkit_ops.kernels import ops
+    from loongkit_ops.kernels.ops import msda
     from mmcv.ops.multi_scale_deform_attn import multi_scale_deformable_attn_pytorch
 
     cases = {
@@ -88,7 +88,7 @@ def bench_msda(quick: bool, reps: int) -> None:
             multi_scale_deformable_attn_pytorch(*args).backward(grad)
 
         def ours(args: tuple = (value, shapes, starts, loc, attn), grad: torch.Tensor = grad) -> None:
-            ops.ms_deform_attn_op(*args).backward(grad)
+            msda.op(*args).backward(grad)
 
         # The base shapes take seconds per baseline iteration here: fewer repetitions.
         compare(name, base, ours, reps if "tiny" in name else 1, rounds=3 if "tiny" in name else 2)
@@ -187,19 +187,19 @@ def bench_voxel(quick: bool, reps: int) -> None:
     except (ImportError, OSError) as exc:  # mmcv without compiled ops
         print(f"# voxel: skipped, mmcv.ops unavailable ({type(exc).__name__})", flush=True)
         return
-    from loongkit_ops.kernels import ops
+    from loongkit_ops.kernels.ops import voxelize
 
     gen = torch.Generator().manual_seed(0)
     n = 120_000 if quick else 300_000
     pts = lidar_cloud(n, gen)
     size, rng = [0.075, 0.075, 0.2], [-54.0, -54.0, -5.0, 54.0, 54.0, 3.0]
     expected = voxelization(pts, size, rng, 10, 90000, True)
-    got = ops.hard_voxelize_op(pts, size, rng, 10, 90000)
+    got = voxelize.hard_op(pts, size, rng, 10, 90000)
     for e, g in zip(expected, got, strict=True):  # identical output, or no number at all
         assert e.dtype == g.dtype and torch.equal(e, g), "loongkit::hard_voxelize differs from mmcv"
     print(f"# voxel: {n} points -> {got[0].shape[0]} voxels (cap 90000), identical output", flush=True)
     compare(f"voxelize_centerpoint_{n // 1000}k", lambda: voxelization(pts, size, rng, 10, 90000, True),
-            lambda: ops.hard_voxelize_op(pts, size, rng, 10, 90000), reps)
+            lambda: voxelize.hard_op(pts, size, rng, 10, 90000), reps)
 
 
 def daf_grid_sample(feature_maps: list[torch.Tensor], points: torch.Tensor, weights: torch.Tensor,
@@ -217,7 +217,7 @@ def daf_grid_sample(feature_maps: list[torch.Tensor], points: torch.Tensor, weig
 
 
 def bench_daf(quick: bool, reps: int) -> None:
-    from loongkit_ops.kernels import ops
+    from loongkit_ops.kernels.ops import daf
 
     gen = torch.Generator().manual_seed(0)
     bs, cams, anchors, pts, c, groups = 1, 6, 900, 13, 256, 8
@@ -239,13 +239,13 @@ def bench_daf(quick: bool, reps: int) -> None:
         feat = torch.cat([t.flatten(3) for t in maps], dim=3).transpose(2, 3).reshape(bs, -1, c)
         loc = points.permute(0, 2, 3, 1, 4)
         w = weights.permute(0, 1, 4, 2, 3, 5)
-        ops.deformable_aggregation(feat, shapes, starts, loc, w, False).backward(grad)
+        daf.deformable_aggregation(feat, shapes, starts, loc, w, False).backward(grad)
 
     compare("daf_sparse4d_v3_900x13x6cam", base, ours, max(1, reps // 2), rounds=2 if quick else 3)
 
 
 def bench_bev_pool(quick: bool, reps: int) -> None:
-    from loongkit_ops.kernels import ops
+    from loongkit_ops.kernels.ops import bev_pool
 
     gen = torch.Generator().manual_seed(0)
     n, c, nx, ny = (500_000 if quick else 2_000_000), 80, 360, 360
@@ -274,7 +274,7 @@ def bench_bev_pool(quick: bool, reps: int) -> None:
         out.t().reshape(1, c, 1, nx, ny).backward(grad)
 
     def ours() -> None:
-        ops.bev_pool_op(feats, coords, 1, 1, nx, ny).backward(grad)
+        bev_pool.op(feats, coords, 1, 1, nx, ny).backward(grad)
 
     size = f"{n // 1000}kx{c}_{nx}x{ny}"
     compare(f"bev_pool_vs_cumsum_{size}", cumsum_trick, ours, max(1, reps // 2), rounds=2)

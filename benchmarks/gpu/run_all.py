@@ -10,7 +10,7 @@ Cases, each in its own interpreter so a failing one does not hide the others:
 - msda_fused : loongkit-ops' Triton fused deformable attention (``loongkit::ms_deform_attn_fused``: softmax,
              sampling locations, sampling and the mean over the [previous, current] BEV in one kernel;
              forward + backward, BEVFormer-tiny TSA shape) vs the reference torch path
-             (``reference.ms_deform_attn_fused``), and vs the same maths unfused in torch around the
+             (``msda_fused.reference``), and vs the same maths unfused in torch around the
              plain Triton MSDA op; prints the largest differences of the output and both gradients.
 - daf      : the Triton deformable aggregation (forward + backward, Sparse4D v3: 6 cameras, 4 levels
              64x176..8x22, C=256, 8 groups, 13 points, 900 anchors) vs the reference gather path.
@@ -71,10 +71,10 @@ def bench_line(name: str, baseline: float, ours: float) -> None:
 
 def case_msda(quick: bool) -> None:
     import torch
-    from loongkit_ops.kernels import ops, reference
+    from loongkit_ops.kernels.ops import msda
 
     dev = torch.device("cuda")
-    backend, why = ops.msda_backend(torch.empty(1, device=dev))
+    backend, why = msda.backend(torch.empty(1, device=dev))
     if backend != "triton":
         print(f"SKIP gpu_msda: the Triton kernel is not used here ({why})", flush=True)
         return
@@ -84,7 +84,7 @@ def case_msda(quick: bool) -> None:
         label = "mmcv multi_scale_deformable_attn_pytorch"
     except ImportError:
         upstream = None
-        label = "loongkit_ops.kernels.reference (mmcv not importable)"
+        label = "loongkit_ops.kernels.ops.msda.reference (mmcv not importable)"
     g = torch.Generator(device=dev).manual_seed(0)
     # BEVFormer-tiny spatial cross-attention: 6 cameras x ~1000 queries, 15x25 map, 8 heads x 32, 8 points.
     bs, lq, heads, ch, points = 6, 1000, 8, 32, 8
@@ -98,12 +98,12 @@ def case_msda(quick: bool) -> None:
 
     def base() -> torch.Tensor:
         out = (upstream(value, shapes, loc, attn) if upstream is not None
-               else reference.ms_deform_attn(value, shapes, starts, loc, attn))
+               else msda.reference(value, shapes, starts, loc, attn))
         out.backward(grad)
         return out
 
     def ours() -> torch.Tensor:  # the op LOONGKIT_BEVFORMER installs: Triton on CUDA tensors
-        out = ops.multi_scale_deformable_attn(value, shapes, starts, loc, attn)
+        out = msda.multi_scale_deformable_attn(value, shapes, starts, loc, attn)
         out.backward(grad)
         return out
 
@@ -144,10 +144,10 @@ def max_difference(base: Callable[[], Any], ours: Callable[[], Any]) -> float:
 
 def case_msda_fused(quick: bool) -> None:
     import torch
-    from loongkit_ops.kernels import ops, reference
+    from loongkit_ops.kernels.ops import msda, msda_fused
 
     dev = torch.device("cuda")
-    if not triton_used("msda_fused", ops.msda_backend(torch.empty(1, device=dev))):
+    if not triton_used("msda_fused", msda.backend(torch.empty(1, device=dev))):
         return
     g = torch.Generator(device=dev).manual_seed(0)
     # BEVFormer-tiny temporal self-attention: a 50x50 BEV (2500 queries, one level), [previous, current]
@@ -166,17 +166,12 @@ def case_msda_fused(quick: bool) -> None:
 
     def unfused(v: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """The reference's softmax, locations and mean in torch, its sampling on the plain Triton MSDA op."""
-        plain = reference.ms_deform_attn
-        reference.ms_deform_attn = ops.ms_deform_attn_op
-        try:
-            return reference.ms_deform_attn_fused(v, shapes, starts, ref, p, True, queue)
-        finally:
-            reference.ms_deform_attn = plain
+        return msda_fused.reference(v, shapes, starts, ref, p, True, queue, sample=msda.op)
 
-    base = fwd_bwd(lambda v, p: reference.ms_deform_attn_fused(v, shapes, starts, ref, p, True, queue),
+    base = fwd_bwd(lambda v, p: msda_fused.reference(v, shapes, starts, ref, p, True, queue),
                    [value, proj], grad)
     split = fwd_bwd(unfused, [value, proj], grad)
-    ours = fwd_bwd(lambda v, p: ops.ms_deform_attn_fused(v, shapes, starts, ref, p, True, queue), [value, proj],
+    ours = fwd_bwd(lambda v, p: msda_fused.ms_deform_attn_fused(v, shapes, starts, ref, p, True, queue), [value, proj],
                    grad)
     reps = 10 if quick else 50
     tb, ts, to = cuda_timer(base, reps), cuda_timer(split, reps), cuda_timer(ours, reps)
@@ -189,7 +184,7 @@ def case_msda_fused(quick: bool) -> None:
         d, top = (a - b).abs(), b.abs().max().item()
         diffs.append(f"{name}: max {d.max().item():.2e} (largest value {top:.2e}), relative L2 "
                      f"{(d.norm() / b.norm()).item():.2e}, {int((d > 1e-3 * top).sum())}/{d.numel()} beyond 1e-3")
-    print(f"  msda_fused baseline = loongkit_ops.kernels.reference.ms_deform_attn_fused; |difference| of "
+    print(f"  msda_fused baseline = loongkit_ops.kernels.ops.msda_fused.reference; |difference| of "
           f"{'; '.join(diffs)}", flush=True)
     bench_line("gpu_msda_fused_fwd_bwd", tb, to)
     print("  msda_fused vs unfused: the same maths in torch around the plain Triton MSDA op", flush=True)
@@ -198,10 +193,10 @@ def case_msda_fused(quick: bool) -> None:
 
 def case_daf(quick: bool) -> None:
     import torch
-    from loongkit_ops.kernels import ops, reference
+    from loongkit_ops.kernels.ops import daf
 
     dev = torch.device("cuda")
-    if not triton_used("daf", ops.daf_backend(torch.empty(1, device=dev))):
+    if not triton_used("daf", daf.backend(torch.empty(1, device=dev))):
         return
     g = torch.Generator(device=dev).manual_seed(0)
     # Sparse4D v3: 6 cameras, 4 levels 64x176..8x22, C=256, 8 groups, 13 points, 900 anchors.
@@ -214,23 +209,23 @@ def case_daf(quick: bool) -> None:
     loc = torch.rand(bs, anchors, pts, cams, 2, device=dev, generator=g, requires_grad=True)
     w = torch.rand(bs, anchors, pts, cams, len(levels), groups, device=dev, generator=g).requires_grad_()
     grad = torch.randn(bs, anchors, ch, device=dev, generator=g)
-    base = fwd_bwd(lambda f, lc, ww: reference.deformable_aggregation(f, shapes, starts, lc, ww, True),
+    base = fwd_bwd(lambda f, lc, ww: daf.reference(f, shapes, starts, lc, ww, True),
                    [feat, loc, w], grad)
-    ours = fwd_bwd(lambda f, lc, ww: ops.deformable_aggregation(f, shapes, starts, lc, ww, True), [feat, loc, w],
+    ours = fwd_bwd(lambda f, lc, ww: daf.deformable_aggregation(f, shapes, starts, lc, ww, True), [feat, loc, w],
                    grad)
     reps = 10 if quick else 50
     tb, to = cuda_timer(base, reps), cuda_timer(ours, reps)
-    print(f"  daf baseline = loongkit_ops.kernels.reference.deformable_aggregation; max |difference| of the "
+    print(f"  daf baseline = loongkit_ops.kernels.ops.daf.reference; max |difference| of the "
           f"forward = {max_difference(base, ours):.2e}", flush=True)
     bench_line("gpu_daf_fwd_bwd", tb, to)
 
 
 def case_bev_pool(quick: bool) -> None:
     import torch
-    from loongkit_ops.kernels import ops, reference
+    from loongkit_ops.kernels.ops import bev_pool
 
     dev = torch.device("cuda")
-    if not triton_used("bev_pool", ops.bev_pool_backend(torch.empty(1, device=dev))):
+    if not triton_used("bev_pool", bev_pool.backend(torch.empty(1, device=dev))):
         return
     g = torch.Generator(device=dev).manual_seed(0)
     # BEVFusion camera branch: ~2M frustum points x 80 channels pooled into a 360x360 BEV grid.
@@ -238,29 +233,29 @@ def case_bev_pool(quick: bool) -> None:
     feats = torch.randn(n, ch, device=dev, generator=g, requires_grad=True)
     coords = torch.stack([torch.randint(0, d, (n,), device=dev, generator=g) for d in (x, y, z, b)], 1)
     grad = torch.randn(b, ch, z, x, y, device=dev, generator=g)
-    base = fwd_bwd(lambda f: reference.bev_pool(f, coords, b, z, x, y), [feats], grad)
-    ours = fwd_bwd(lambda f: ops.bev_pool_op(f, coords, b, z, x, y), [feats], grad)
+    base = fwd_bwd(lambda f: bev_pool.reference(f, coords, b, z, x, y), [feats], grad)
+    ours = fwd_bwd(lambda f: bev_pool.op(f, coords, b, z, x, y), [feats], grad)
     reps = 10 if quick else 50
     tb, to = cuda_timer(base, reps), cuda_timer(ours, reps)
-    print(f"  bev_pool baseline = loongkit_ops.kernels.reference.bev_pool (index_add); max |difference| of the "
+    print(f"  bev_pool baseline = loongkit_ops.kernels.ops.bev_pool.reference (index_add); max |difference| of the "
           f"forward = {max_difference(base, ours):.2e}", flush=True)
     bench_line("gpu_bev_pool_fwd_bwd", tb, to)
 
 
 def case_voxelize(quick: bool) -> None:
     import torch
-    from loongkit_ops.kernels import ops, reference
+    from loongkit_ops.kernels.ops import voxelize
 
     dev = torch.device("cuda")
-    if not triton_used("voxelize", ops.voxelize_backend(torch.empty(1, device=dev))):
+    if not triton_used("voxelize", voxelize.backend(torch.empty(1, device=dev))):
         return
     g = torch.Generator(device=dev).manual_seed(0)
     # nuScenes CenterPoint: ~300k points x 5 (x, y, z, intensity, time), 0.075 m voxels, 10 points each.
     n = 30_000 if quick else 300_000
     size, rng, max_points, max_voxels = [0.075, 0.075, 0.2], [-54.0, -54.0, -5.0, 54.0, 54.0, 3.0], 10, 90_000
     points = torch.randn(n, 5, device=dev, generator=g) * torch.tensor([20.0, 20.0, 1.5, 1.0, 1.0], device=dev)
-    upstream: Callable[..., Any] = reference.hard_voxelize
-    label = "loongkit_ops.kernels.reference.hard_voxelize"
+    upstream: Callable[..., Any] = voxelize.hard_reference
+    label = "loongkit_ops.kernels.ops.voxelize.hard_reference"
     try:  # mmcv may import yet lack its CUDA ops: try one small call
         from mmcv.ops.voxelize import voxelization as mmcv_voxelization
 
@@ -272,11 +267,11 @@ def case_voxelize(quick: bool) -> None:
 
     reps = 10 if quick else 30
     tb = cuda_timer(lambda: upstream(points, size, rng, max_points, max_voxels), reps)
-    to = cuda_timer(lambda: ops.hard_voxelize_op(points, size, rng, max_points, max_voxels), reps)
+    to = cuda_timer(lambda: voxelize.hard_op(points, size, rng, max_points, max_voxels), reps)
     theirs = upstream(points, size, rng, max_points, max_voxels)
-    mine = ops.hard_voxelize_op(points, size, rng, max_points, max_voxels)
+    mine = voxelize.hard_op(points, size, rng, max_points, max_voxels)
     same = all(a.shape == b.shape and torch.equal(a.to(b.dtype), b) for a, b in zip(mine, theirs, strict=True))
-    dyn_same = torch.equal(ops.dynamic_voxelize_op(points, size, rng), reference.dynamic_voxelize(points, size, rng))
+    dyn_same = torch.equal(voxelize.dynamic_op(points, size, rng), voxelize.dynamic_reference(points, size, rng))
     print(f"  voxelize baseline = {label}; {mine[0].shape[0]} voxels; identical output: {same}; dynamic "
           f"identical to the reference: {dyn_same}", flush=True)
     bench_line("gpu_hard_voxelize", tb, to)
@@ -284,10 +279,10 @@ def case_voxelize(quick: bool) -> None:
 
 def case_dice(quick: bool) -> None:
     import torch
-    from loongkit_ops.kernels import ops, reference
+    from loongkit_ops.kernels.ops import dice_class_stats, dice_stats
 
     dev = torch.device("cuda")
-    if not triton_used("dice", ops.dice_backend(torch.empty(1, device=dev))):
+    if not triton_used("dice", dice_stats.backend(torch.empty(1, device=dev))):
         return
     g = torch.Generator(device=dev).manual_seed(0)
     # Cityscapes-like batch: [4, 19, 256, 512] logits, labels with 255 ignored pixels.
@@ -297,15 +292,15 @@ def case_dice(quick: bool) -> None:
     target[:, ::13] = 255
     reps = 10 if quick else 50
     for name, ref, op, shape in (
-            ("dice_stats", lambda x: reference.dice_stats(x, target, 2, 255, False),
-             lambda x: ops.dice_stats_op(x, target, 2, 255, False), (n, 3)),
-            ("dice_class_stats", lambda x: reference.dice_class_stats(x, target, 255, 2.0),
-             lambda x: ops.dice_class_stats_op(x, target, 255, 2.0), (n, c, 3))):
+            ("dice_stats", lambda x: dice_stats.reference(x, target, 2, 255, False),
+             lambda x: dice_stats.op(x, target, 2, 255, False), (n, 3)),
+            ("dice_class_stats", lambda x: dice_class_stats.reference(x, target, 255, 2.0),
+             lambda x: dice_class_stats.op(x, target, 255, 2.0), (n, c, 3))):
         grad = torch.randn(shape, device=dev, generator=g)
         base, ours = fwd_bwd(ref, [logits], grad), fwd_bwd(op, [logits], grad)
         tb, to = cuda_timer(base, reps), cuda_timer(ours, reps)
         scale = base().detach().abs().max().item()
-        print(f"  {name} baseline = loongkit_ops.kernels.reference.{name}; max |difference| of the forward = "
+        print(f"  {name} baseline = loongkit_ops.kernels.ops.{name}.reference; max |difference| of the forward = "
               f"{max_difference(base, ours):.2e} (largest value {scale:.2e})", flush=True)
         bench_line(f"gpu_{name}_fwd_bwd", tb, to)
 

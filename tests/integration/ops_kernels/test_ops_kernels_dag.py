@@ -28,7 +28,7 @@ pytestmark = pytest.mark.integration
 registry_mod = pytest.importorskip("mmengine.registry.registry")
 
 from loongkit_ops import kernels  # noqa: E402
-from loongkit_ops.kernels import reference  # noqa: E402
+from loongkit_ops.kernels.ops import daf  # noqa: E402
 from loongkit_ops.patches.dag import SparseDAG, interface_problem  # noqa: E402
 from loongkit_ops.plugin import plugin  # noqa: E402
 
@@ -124,7 +124,7 @@ def test_deformable_func_path_equals_unpatched(project: tuple[Any, ActivationCon
     reference standing in for the extension the unpatched module would call."""
     module, ctx = project
     dtype = torch.float64
-    monkeypatch.setattr(module, "DAF", lambda *args: reference.deformable_aggregation(*args, inside_only=True))
+    monkeypatch.setattr(module, "DAF", lambda *args: daf.reference(*args, inside_only=True))
     cls = module.DeformableFeatureAggregation
     gen = torch.Generator().manual_seed(SEED + 10 * bs)
     levels = [(16, 44), (8, 22)]

@@ -20,7 +20,7 @@ pytest.importorskip("mmcv")
 msda_mod = pytest.importorskip("mmcv.ops.multi_scale_deform_attn")
 
 from loongkit_ops import kernels  # noqa: E402
-from loongkit_ops.kernels import ops  # noqa: E402
+from loongkit_ops.kernels.ops import msda  # noqa: E402
 from loongkit_ops.patches.msda import BevformerMSDA  # noqa: E402
 from loongkit_ops.plugin import plugin  # noqa: E402
 
@@ -61,7 +61,7 @@ def test_op_matches_mmcv_pytorch_path(dtype: torch.dtype, levels: list) -> None:
     grad = torch.randn(bs, lq, heads * c, generator=gen, dtype=dtype)
     results = []
     for fn in (lambda v, lc, a: msda_mod.multi_scale_deformable_attn_pytorch(v, shapes, lc, a),
-               lambda v, lc, a: ops.ms_deform_attn_op(v, shapes, starts, lc, a)):
+               lambda v, lc, a: msda.op(v, shapes, starts, lc, a)):
         inputs = [t.clone().requires_grad_() for t in (value, loc, attn)]
         out = fn(*inputs)
         out.backward(grad)

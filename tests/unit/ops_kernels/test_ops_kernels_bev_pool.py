@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from loongkit_ops import kernels
-from loongkit_ops.kernels import ops, reference
+from loongkit_ops.kernels.ops import bev_pool
 
 SEED = int(torch.seed() % 2**31)
 # (points, channels, B, Z, X, Y). The kernel works on tiles of 64 consecutive voxels of a batch's Z*X*Y
@@ -35,7 +35,7 @@ def test_cpu_kernel_matches_reference(ext: Any, dtype: torch.dtype, case: tuple,
     gen = torch.Generator().manual_seed(SEED)
     feats, coords = make(case, dtype, gen)
     _, c, b, z, x, y = case
-    expected = reference.bev_pool(feats.double(), coords, b, z, x, y)  # [B, C, Z, X, Y]
+    expected = bev_pool.reference(feats.double(), coords, b, z, x, y)  # [B, C, Z, X, Y]
     grad = torch.randn(b, c, z, x, y, generator=gen, dtype=dtype)  # BEVFusion's layout, as the kernel takes it
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -74,11 +74,11 @@ def test_sum_order_is_point_order_for_any_thread_count(ext: Any) -> None:
 def test_op_autograd_gradcheck_and_opcheck(ext: Any) -> None:
     gen = torch.Generator().manual_seed(SEED)
     feats, coords = make(CASES[1], torch.float64, gen)
-    assert torch.autograd.gradcheck(lambda f: ops.bev_pool_op(f, coords, 2, 3, 4, 5), [feats.requires_grad_()])
+    assert torch.autograd.gradcheck(lambda f: bev_pool.op(f, coords, 2, 3, 4, 5), [feats.requires_grad_()])
     for dtype in (torch.float32, torch.float64):
         f, cd = make(CASES[1], dtype, gen)
-        torch.library.opcheck(ops.bev_pool_op, (f.requires_grad_(), cd, 2, 3, 4, 5))
-        torch.library.opcheck(ops.bev_pool_backward_op, (torch.randn(2, 5, 3, 4, 5, dtype=dtype), cd, 2, 3, 4, 5))
+        torch.library.opcheck(bev_pool.op, (f.requires_grad_(), cd, 2, 3, 4, 5))
+        torch.library.opcheck(bev_pool.backward_op, (torch.randn(2, 5, 3, 4, 5, dtype=dtype), cd, 2, 3, 4, 5))
 
 
 def test_op_backward_takes_any_grad_layout(ext: Any) -> None:
@@ -90,11 +90,11 @@ def test_op_backward_takes_any_grad_layout(ext: Any) -> None:
     permuted = torch.randn(2, 2, 13, 11, 80, generator=gen, dtype=torch.float64).permute(0, 4, 1, 2, 3)
     for grad in (expanded, permuted):
         assert not grad.is_contiguous()
-        got = ops.bev_pool_backward_op(grad, coords, *grid)
-        want = ops.bev_pool_backward_op(grad.contiguous(), coords, *grid)
+        got = bev_pool.backward_op(grad, coords, *grid)
+        want = bev_pool.backward_op(grad.contiguous(), coords, *grid)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     f = feats.clone().requires_grad_()
-    ops.bev_pool_op(f, coords, *grid).sum().backward()
+    bev_pool.op(f, coords, *grid).sum().backward()
     inside = ((coords >= 0) & (coords < torch.tensor([13, 11, 2, 2]))).all(1)
     torch.testing.assert_close(f.grad, inside[:, None].double().expand(-1, 80).contiguous(), rtol=0, atol=0)
 
@@ -102,9 +102,9 @@ def test_op_backward_takes_any_grad_layout(ext: Any) -> None:
 def test_op_int32_coords_and_layout(ext: Any) -> None:
     gen = torch.Generator().manual_seed(SEED)
     feats, coords = make(CASES[1], torch.float32, gen)
-    out = ops.bev_pool_op(feats, coords.int(), 2, 3, 4, 5)
+    out = bev_pool.op(feats, coords.int(), 2, 3, 4, 5)
     assert out.shape == (2, 5, 3, 4, 5) and out.is_contiguous()
-    torch.testing.assert_close(out, reference.bev_pool(feats, coords, 2, 3, 4, 5))
+    torch.testing.assert_close(out, bev_pool.reference(feats, coords, 2, 3, 4, 5))
 
 
 def test_torch_compile_fullgraph(ext: Any) -> None:
@@ -113,7 +113,7 @@ def test_torch_compile_fullgraph(ext: Any) -> None:
     feats, coords = make(CASES[1], torch.float32, gen)
 
     def block(f: torch.Tensor) -> torch.Tensor:
-        return torch.cat(ops.bev_pool_op(f.relu(), coords, 2, 3, 4, 5).unbind(2), 1).square().sum()
+        return torch.cat(bev_pool.op(f.relu(), coords, 2, 3, 4, 5).unbind(2), 1).square().sum()
 
     compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
     a, b = feats.clone().requires_grad_(), feats.clone().requires_grad_()
@@ -127,10 +127,10 @@ def test_reference_fallback_when_kernel_missing(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(kernels, "failure", lambda: "RuntimeError: no compiler")
     gen = torch.Generator().manual_seed(SEED)
     feats, coords = make(CASES[1], torch.float64, gen)
-    assert ops.bev_pool_backend(feats) == ("reference", "CPU kernel unavailable: RuntimeError: no compiler")
+    assert bev_pool.backend(feats) == ("reference", "CPU kernel unavailable: RuntimeError: no compiler")
     f = feats.clone().requires_grad_()
-    out = ops.bev_pool_op(f, coords, 2, 3, 4, 5)
+    out = bev_pool.op(f, coords, 2, 3, 4, 5)
     out.backward(torch.ones_like(out))
     inside = ((coords >= 0) & (coords < torch.tensor([4, 5, 3, 2]))).all(1)
     torch.testing.assert_close(f.grad, inside[:, None].double().expand(-1, 5).contiguous())
-    torch.testing.assert_close(out, reference.bev_pool(feats, coords, 2, 3, 4, 5))
+    torch.testing.assert_close(out, bev_pool.reference(feats, coords, 2, 3, 4, 5))

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from loongkit_ops import kernels
-from loongkit_ops.kernels import ops, reference
+from loongkit_ops.kernels.ops import daf
 
 SEED = int(torch.seed() % 2**31)
 # (bs, anchors, pts, [per camera: level shapes], C, groups): odd group widths cover the vector tails.
@@ -51,7 +51,7 @@ def tol(dtype: torch.dtype) -> dict[str, float]:
 def ref_all(feat: torch.Tensor, shapes: torch.Tensor, starts: torch.Tensor, loc: torch.Tensor, w: torch.Tensor,
             grad: torch.Tensor, inside_only: bool) -> tuple[torch.Tensor, ...]:
     f, lc, ww = (t.detach().double().requires_grad_() for t in (feat, loc, w))
-    out = reference.deformable_aggregation(f, shapes, starts, lc, ww, inside_only)
+    out = daf.reference(f, shapes, starts, lc, ww, inside_only)
     out.backward(grad.double())
     return out.detach(), f.grad, lc.grad, ww.grad
 
@@ -95,12 +95,12 @@ def test_inside_only_rule_drops_border_samples(ext: Any) -> None:
     loc[0, 1, 0, 0] = torch.tensor([-0.01, 0.5])  # within half a pixel of the left border (W=6)
     loc[0, 2, 0, 0] = torch.tensor([0.5, 1.0])
     loc[0, 3, 0, 0] = torch.tensor([0.5, float("nan")])
-    strict = ops.deformable_aggregation_op(feat, shapes, starts, loc, w, True)
-    loose = ops.deformable_aggregation_op(feat, shapes, starts, loc.nan_to_num(0.5), w, False)
+    strict = daf.op(feat, shapes, starts, loc, w, True)
+    loose = daf.op(feat, shapes, starts, loc.nan_to_num(0.5), w, False)
     # Only point 0 of anchors 0-3 changes: remove it and the two rules agree on those anchors.
     w0 = w.clone()
     w0[0, :4, 0] = 0
-    torch.testing.assert_close(strict[0, :4], ops.deformable_aggregation_op(feat, shapes, starts, loc.nan_to_num(0.5),
+    torch.testing.assert_close(strict[0, :4], daf.op(feat, shapes, starts, loc.nan_to_num(0.5),
                                                                           w0, False)[0, :4])
     assert not torch.allclose(strict[0, 1], loose[0, 1])  # grid_sample's rule blends the border pixel
 
@@ -110,7 +110,7 @@ def test_grid_sample_rule_matches_grid_sample(ext: Any) -> None:
     gen = torch.Generator().manual_seed(SEED)
     feat, shapes, starts, loc, w = make(CASES[1], torch.float64, gen)
     bs, anchors, pts, per_cam, c, groups = CASES[1]
-    out = ops.deformable_aggregation_op(feat, shapes, starts, loc, w, False)
+    out = daf.op(feat, shapes, starts, loc, w, False)
     expected = torch.zeros(bs, anchors, groups, c // groups, dtype=torch.float64)
     for cam, levels in enumerate(per_cam):
         for level, (h, wd) in enumerate(levels):
@@ -140,7 +140,7 @@ def test_op_autograd_and_gradcheck(ext: Any, inside_only: bool) -> None:
     feat, shapes, starts, loc, w = make(CASES[1], torch.float64, gen)
     inputs = [feat.requires_grad_(), loc.requires_grad_(), w.requires_grad_()]
     assert torch.autograd.gradcheck(
-        lambda f, lc, ww: ops.deformable_aggregation_op(f, shapes, starts, lc, ww, inside_only), inputs, eps=1e-7,
+        lambda f, lc, ww: daf.op(f, shapes, starts, lc, ww, inside_only), inputs, eps=1e-7,
         atol=1e-5)
 
 
@@ -149,9 +149,9 @@ def test_opcheck(ext: Any) -> None:
     for dtype in (torch.float32, torch.float64):
         feat, shapes, starts, loc, w = make(CASES[1], dtype, gen)
         args = (feat.requires_grad_(), shapes, starts, loc.requires_grad_(), w.requires_grad_(), True)
-        torch.library.opcheck(ops.deformable_aggregation_op, args)
+        torch.library.opcheck(daf.op, args)
         grad = torch.randn(2, 5, 12, generator=gen, dtype=dtype)
-        torch.library.opcheck(ops.deformable_aggregation_backward_op,
+        torch.library.opcheck(daf.backward_op,
                               (grad, feat.detach(), shapes, starts, loc.detach(), w.detach(), False))
 
 
@@ -162,7 +162,7 @@ def test_torch_compile_fullgraph(ext: Any) -> None:
     proj = torch.randn(12, 3, generator=gen)
 
     def block(f: torch.Tensor, lc: torch.Tensor, ww: torch.Tensor) -> torch.Tensor:
-        out = ops.deformable_aggregation_op(f * 2, shapes, starts, lc.clamp(0, 1), ww.softmax(-2), True)
+        out = daf.op(f * 2, shapes, starts, lc.clamp(0, 1), ww.softmax(-2), True)
         return (out @ proj).sum()
 
     compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
@@ -179,14 +179,14 @@ def test_reference_fallback_when_kernel_missing(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(kernels, "failure", lambda: "RuntimeError: no compiler")
     gen = torch.Generator().manual_seed(SEED)
     feat, shapes, starts, loc, w = make(CASES[0], torch.float64, gen)
-    assert ops.daf_backend(feat) == ("reference", "CPU kernel unavailable: RuntimeError: no compiler")
+    assert daf.backend(feat) == ("reference", "CPU kernel unavailable: RuntimeError: no compiler")
     inputs = [feat.requires_grad_(), loc.requires_grad_(), w.requires_grad_()]
-    out = ops.deformable_aggregation_op(inputs[0], shapes, starts, inputs[1], inputs[2], True)
+    out = daf.op(inputs[0], shapes, starts, inputs[1], inputs[2], True)
     out.backward(torch.ones_like(out))
     expected = ref_all(feat, shapes, starts, loc, w, torch.ones_like(out), True)
     for mine, theirs in zip((out, *(t.grad for t in inputs)), expected, strict=True):
         torch.testing.assert_close(mine, theirs)
-    assert ops.daf_backend(feat.half())[0] == "reference"
+    assert daf.backend(feat.half())[0] == "reference"
 
 
 def test_bad_shapes_are_rejected(ext: Any) -> None:
@@ -199,8 +199,8 @@ def test_bad_shapes_are_rejected(ext: Any) -> None:
 
 
 TRITON_SCRIPT = """
-    from loongkit_ops.kernels.triton import daf
-    from loongkit_ops.kernels import reference
+    from loongkit_ops.kernels.ops import daf
+    from loongkit_ops.kernels.triton import daf as triton_daf
     (seed,) = ARGS; gen = torch.Generator().manual_seed(seed)
     worst = 0.0
     for dtype, inside, (bs, a, p, per_cam, c, groups) in (
@@ -213,10 +213,10 @@ TRITON_SCRIPT = """
         loc = torch.rand(bs, a, p, cams, 2, generator=gen, dtype=dtype) * 1.6 - 0.3
         w = torch.rand(bs, a, p, cams, levels, groups, generator=gen, dtype=dtype)
         g = torch.randn(bs, a, c, generator=gen, dtype=dtype)
-        out = daf.forward(f, shapes, starts, loc, w, inside)
-        gf, gl, gw = daf.backward(g, f, shapes, starts, loc, w, inside)
+        out = triton_daf.forward(f, shapes, starts, loc, w, inside)
+        gf, gl, gw = triton_daf.backward(g, f, shapes, starts, loc, w, inside)
         rf, rl, rw = (t.double().requires_grad_() for t in (f, loc, w))
-        ref = reference.deformable_aggregation(rf, shapes, starts, rl, rw, inside); ref.backward(g.double())
+        ref = daf.reference(rf, shapes, starts, rl, rw, inside); ref.backward(g.double())
         for mine, theirs in ((out, ref), (gf, rf.grad), (gl, rl.grad), (gw, rw.grad)):
             err = ((mine.double() - theirs).abs() / (theirs.abs() + 1)).max().item()
             worst = max(worst, err / (1e-5 if dtype == torch.float32 else 1e-12))

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from loongkit_ops.kernels import ops, reference
+from loongkit_ops.kernels.ops import bev_pool, daf, dice_class_stats, dice_stats, msda, msda_fused, voxelize
 from loongkit_ops.kernels.triton import available as triton_available
 
 SEED = int(torch.seed() % 2**31)
@@ -76,13 +76,13 @@ def test_ms_deform_attn(device: str, dtype: torch.dtype) -> None:
     value = torch.randn(2, 54, 2, 8, generator=gen)
     loc = in_cell(gen, (2, 5, 2, 2, 3, 2), shapes.flip(1).double()[:, None, :])  # [.., levels, points, (x, y)]
     attn = torch.rand(2, 5, 2, 2, 3, generator=gen)
-    assert ops.msda_backend(value.to(device=device, dtype=dtype))[0] == expected_backend(device)
+    assert msda.backend(value.to(device=device, dtype=dtype))[0] == expected_backend(device)
 
     def ours(v: torch.Tensor, lc: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        return ops.ms_deform_attn_op(v, shapes.to(device), starts.to(device), lc, a)
+        return msda.op(v, shapes.to(device), starts.to(device), lc, a)
 
     def ref(v: torch.Tensor, lc: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        return reference.ms_deform_attn(v, shapes, starts, lc, a)
+        return msda.reference(v, shapes, starts, lc, a)
 
     check(ours, ref, [value, loc, attn], device, dtype, gen)
 
@@ -109,13 +109,13 @@ def test_ms_deform_attn_fused(device: str, dtype: torch.dtype, per_level: bool, 
     offsets = pixel + 0.5 - anchor[:, :, None] * wh  # pixel = (ref + offset / (W, H)) * (W, H) - 0.5
     logits = torch.randn(nq, q, heads * queue * levels * points, generator=gen, dtype=torch.float64)
     proj = torch.cat([offsets.reshape(nq, q, -1), logits], -1).float()
-    assert ops.msda_backend(value.to(device=device, dtype=dtype))[0] == expected_backend(device)
+    assert msda.backend(value.to(device=device, dtype=dtype))[0] == expected_backend(device)
 
     def ours(v: torch.Tensor, r: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        return ops.ms_deform_attn_fused_op(v, shapes.to(device), starts.to(device), r, p, per_level, queue)
+        return msda_fused.op(v, shapes.to(device), starts.to(device), r, p, per_level, queue)
 
     def ref(v: torch.Tensor, r: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        return reference.ms_deform_attn_fused(v, shapes, starts, r, p, per_level, queue)
+        return msda_fused.reference(v, shapes, starts, r, p, per_level, queue)
 
     check(ours, ref, [value, ref_points, proj], device, dtype, gen)
 
@@ -133,13 +133,13 @@ def test_deformable_aggregation(device: str, dtype: torch.dtype) -> None:
     cell = (torch.rand(1, 7, 3, 2, 2, generator=gen, dtype=torch.float64) * (coarse + 2)).floor() - 1
     loc = ((cell + 0.02 + 0.11 * torch.rand(1, 7, 3, 2, 2, generator=gen, dtype=torch.float64)) / coarse).float()
     w = torch.rand(1, 7, 3, 2, 2, 4, generator=gen)  # 4 groups
-    assert ops.daf_backend(feat.to(device=device, dtype=dtype))[0] == expected_backend(device)
+    assert daf.backend(feat.to(device=device, dtype=dtype))[0] == expected_backend(device)
 
     def ours(f: torch.Tensor, lc: torch.Tensor, ww: torch.Tensor) -> torch.Tensor:
-        return ops.deformable_aggregation_op(f, shapes.to(device), starts.to(device), lc, ww, True)
+        return daf.op(f, shapes.to(device), starts.to(device), lc, ww, True)
 
     def ref(f: torch.Tensor, lc: torch.Tensor, ww: torch.Tensor) -> torch.Tensor:
-        return reference.deformable_aggregation(f, shapes, starts, lc, ww, True)
+        return daf.reference(f, shapes, starts, lc, ww, True)
 
     check(ours, ref, [feat, loc, w], device, dtype, gen)
 
@@ -151,9 +151,9 @@ def test_bev_pool(device: str, dtype: torch.dtype) -> None:
     feats = torch.randn(n, 5, generator=gen)
     coords = torch.stack([torch.randint(-1, X + 1, (n,), generator=gen), torch.randint(-1, Y + 1, (n,), generator=gen),
                           torch.randint(0, Z, (n,), generator=gen), torch.randint(0, B, (n,), generator=gen)], 1)
-    assert ops.bev_pool_backend(feats.to(device=device, dtype=dtype))[0] == expected_backend(device)
-    check(lambda f: ops.bev_pool_op(f, coords.to(device), B, Z, X, Y),
-          lambda f: reference.bev_pool(f, coords, B, Z, X, Y), [feats], device, dtype, gen)
+    assert bev_pool.backend(feats.to(device=device, dtype=dtype))[0] == expected_backend(device)
+    check(lambda f: bev_pool.op(f, coords.to(device), B, Z, X, Y),
+          lambda f: bev_pool.reference(f, coords, B, Z, X, Y), [feats], device, dtype, gen)
 
 
 @pytest.mark.parametrize(("device", "dtype"), cases())
@@ -163,9 +163,9 @@ def test_dice_stats(device: str, dtype: torch.dtype, activation: int) -> None:
     logits = torch.randn(2, 5, 300, generator=gen)
     target = torch.randint(-1, 7, (2, 300), generator=gen)
     target[:, :4] = 255
-    assert ops.dice_backend(logits.to(device=device, dtype=dtype))[0] == expected_backend(device)
-    check(lambda x: ops.dice_stats_op(x, target.to(device), activation, 1, False),
-          lambda x: reference.dice_stats(x, target, activation, 1, False), [logits], device, dtype, gen)
+    assert dice_stats.backend(logits.to(device=device, dtype=dtype))[0] == expected_backend(device)
+    check(lambda x: dice_stats.op(x, target.to(device), activation, 1, False),
+          lambda x: dice_stats.reference(x, target, activation, 1, False), [logits], device, dtype, gen)
 
 
 @pytest.mark.parametrize(("device", "dtype"), cases())
@@ -174,8 +174,8 @@ def test_dice_class_stats(device: str, dtype: torch.dtype) -> None:
     logits = torch.randn(2, 5, 300, generator=gen)
     target = torch.randint(0, 5, (2, 300), generator=gen)
     target[:, :4] = 255
-    check(lambda x: ops.dice_class_stats_op(x, target.to(device), 255, 2.0),
-          lambda x: reference.dice_class_stats(x, target, 255, 2.0), [logits], device, dtype, gen)
+    check(lambda x: dice_class_stats.op(x, target.to(device), 255, 2.0),
+          lambda x: dice_class_stats.reference(x, target, 255, 2.0), [logits], device, dtype, gen)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -185,10 +185,10 @@ def test_voxelize_exact(device: str, dtype: torch.dtype) -> None:
     points = torch.rand(3000, 4, generator=gen, dtype=dtype) * torch.tensor([12.0, 12.0, 4.0, 1.0], dtype=dtype) - 1
     points[1000:1300, :3] = points[:300, :3]  # repeated positions share voxels
     size, rng = [0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 10.0, 10.0, 3.0]
-    assert ops.voxelize_backend(points.to(device))[0] == expected_backend(device)
-    got = ops.hard_voxelize_op(points.to(device), size, rng, 5, 300)
-    want = reference.hard_voxelize(points, size, rng, 5, 300)
+    assert voxelize.backend(points.to(device))[0] == expected_backend(device)
+    got = voxelize.hard_op(points.to(device), size, rng, 5, 300)
+    want = voxelize.hard_reference(points, size, rng, 5, 300)
     for a, b, name in zip(got, want, ("voxels", "coors", "num_points"), strict=True):
         assert torch.equal(a.cpu(), b), f"seed {SEED}, {device}: {name} differs"
-    dyn = ops.dynamic_voxelize_op(points.to(device), size, rng)
-    assert torch.equal(dyn.cpu(), reference.dynamic_voxelize(points, size, rng)), f"seed {SEED}: dynamic differs"
+    dyn = voxelize.dynamic_op(points.to(device), size, rng)
+    assert torch.equal(dyn.cpu(), voxelize.dynamic_reference(points, size, rng)), f"seed {SEED}: dynamic differs"

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 from loongkit_ops import kernels
-from loongkit_ops.kernels import ops, reference
+from loongkit_ops.kernels.ops import dice_class_stats
 
 SEED = int(torch.seed() % 2**31)
 
@@ -31,7 +31,7 @@ def test_stats_and_grad_match_reference(ext: Any, dtype: torch.dtype, ignore: in
     grad = torch.full_like(logits, float("nan"))
     ext.dice_class_stats_backward(logits, target, ignore, exponent, gstats, grad)
     x = logits.double().requires_grad_()
-    expected = reference.dice_class_stats(x, target, ignore, exponent)
+    expected = dice_class_stats.reference(x, target, ignore, exponent)
     (expected_grad,) = torch.autograd.grad(expected, x, gstats.double())
     tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-11}
     torch.testing.assert_close(stats.double(), expected.detach(), **tol, msg=lambda m: f"seed {SEED}: {m}")
@@ -43,7 +43,7 @@ def test_reference_semantics() -> None:
     """The rules the kernel is held to, on a hand-checkable case: 255 -> class C-1 in t, masked in a."""
     logits = torch.zeros(1, 3, 4, dtype=torch.float64)  # p = 1/3 everywhere
     target = torch.tensor([[0, 2, 255, -4]])
-    a, b, t = reference.dice_class_stats(logits, target, 255, 2.0).unbind(-1)
+    a, b, t = dice_class_stats.reference(logits, target, 255, 2.0).unbind(-1)
     third = 1 / 3
     torch.testing.assert_close(a, torch.tensor([[2 * third, 0.0, third]], dtype=torch.float64))  # 255 masked
     torch.testing.assert_close(b, torch.full((1, 3), 4 * third**2, dtype=torch.float64))
@@ -54,9 +54,9 @@ def test_gradcheck_opcheck_and_exponent_check(ext: Any) -> None:
     gen = torch.Generator().manual_seed(SEED)
     logits, target = inputs(gen, torch.float64, n=2, c=4, s=37)
     for exponent in (1.0, 2.0, 2.5):
-        assert torch.autograd.gradcheck(lambda x, e=exponent: ops.dice_class_stats_op(x, target, 1, e),
+        assert torch.autograd.gradcheck(lambda x, e=exponent: dice_class_stats.op(x, target, 1, e),
                                         (logits.clone().requires_grad_(),))
-        torch.library.opcheck(ops.dice_class_stats_op, (logits.clone().requires_grad_(), target, 255, exponent))
+        torch.library.opcheck(dice_class_stats.op, (logits.clone().requires_grad_(), target, 255, exponent))
     with pytest.raises(RuntimeError, match="exponent"):
         ext.dice_class_stats_forward(logits, target, 255, 0.0, torch.empty(2, 4, 3, dtype=torch.float64))
 
@@ -67,7 +67,7 @@ def test_compile_fullgraph(ext: Any) -> None:
     logits, target = inputs(gen, torch.float32, n=2, c=4, s=37)
 
     def loss(x: torch.Tensor) -> torch.Tensor:
-        a, b, t = ops.dice_class_stats_op(x * 1.5, target, 255, 2.0).unbind(-1)
+        a, b, t = dice_class_stats.op(x * 1.5, target, 255, 2.0).unbind(-1)
         return (1 - (2 * a + 1) / (b + t + 1)).mean()
 
     x1, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
@@ -82,8 +82,8 @@ def test_reference_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(SEED)
     logits, target = inputs(gen, torch.float64, n=2, c=4, s=37)
     x = logits.clone().requires_grad_()
-    stats = ops.dice_class_stats_op(x, target, 255, 2.0)
+    stats = dice_class_stats.op(x, target, 255, 2.0)
     stats.sum().backward()
     y = logits.clone().requires_grad_()
-    reference.dice_class_stats(y, target, 255, 2.0).sum().backward()
+    dice_class_stats.reference(y, target, 255, 2.0).sum().backward()
     torch.testing.assert_close(x.grad, y.grad)

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 import torch
 from loongkit_ops import kernels
-from loongkit_ops.kernels import build, ops, reference
+from loongkit_ops.kernels import build
+from loongkit_ops.kernels.ops import dice_stats
 
 SEED = int(torch.seed() % 2**31)
 
@@ -33,7 +34,7 @@ def test_stats_and_grad_match_reference(ext: Any, dtype: torch.dtype, activation
     grad = torch.full_like(logits, float("nan"))
     ext.dice_stats_backward(logits, target, activation, drop, naive, gstats, grad)
     x = logits.double().requires_grad_()
-    expected = reference.dice_stats(x, target, activation, drop, naive)
+    expected = dice_stats.reference(x, target, activation, drop, naive)
     (expected_grad,) = torch.autograd.grad(expected, x, gstats.double())
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
     torch.testing.assert_close(stats.double(), expected.detach(), **tol, msg=lambda m: f"seed {SEED}: {m}")
@@ -44,9 +45,9 @@ def test_gradcheck_and_opcheck(ext: Any) -> None:
     gen = torch.Generator().manual_seed(SEED)
     logits, target = inputs(gen, torch.float64, n=2, c=4, s=37)
     for activation in (0, 1, 2):
-        assert torch.autograd.gradcheck(lambda x, a=activation: ops.dice_stats_op(x, target, a, 1, False),
+        assert torch.autograd.gradcheck(lambda x, a=activation: dice_stats.op(x, target, a, 1, False),
                                         (logits.clone().requires_grad_(),))
-        torch.library.opcheck(ops.dice_stats_op, (logits.clone().requires_grad_(), target, activation, -1, True))
+        torch.library.opcheck(dice_stats.op, (logits.clone().requires_grad_(), target, activation, -1, True))
 
 
 def test_compile_fullgraph(ext: Any) -> None:
@@ -55,7 +56,7 @@ def test_compile_fullgraph(ext: Any) -> None:
     logits, target = inputs(gen, torch.float32, n=2, c=4, s=37)
 
     def loss(x: torch.Tensor) -> torch.Tensor:
-        a, b, c = ops.dice_stats_op(x * 1.5, target, 2, -1, False).unbind(1)
+        a, b, c = dice_stats.op(x * 1.5, target, 2, -1, False).unbind(1)
         return (1 - 2 * a / (b + c + 1e-3)).mean()
 
     x1, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
@@ -69,11 +70,11 @@ def test_reference_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernels, "failure", lambda: "RuntimeError: boom")
     gen = torch.Generator().manual_seed(SEED)
     logits, target = inputs(gen, torch.float64, n=2, c=4, s=37)
-    assert ops.dice_backend(logits) == ("reference", "CPU kernel unavailable: RuntimeError: boom")
+    assert dice_stats.backend(logits) == ("reference", "CPU kernel unavailable: RuntimeError: boom")
     x = logits.clone().requires_grad_()
-    ops.dice_stats_op(x, target, 2, 1, False).sum().backward()
+    dice_stats.op(x, target, 2, 1, False).sum().backward()
     y = logits.clone().requires_grad_()
-    reference.dice_stats(y, target, 2, 1, False).sum().backward()
+    dice_stats.reference(y, target, 2, 1, False).sum().backward()
     torch.testing.assert_close(x.grad, y.grad)
 
 

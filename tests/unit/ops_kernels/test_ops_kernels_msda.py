@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from loongkit_ops import kernels
-from loongkit_ops.kernels import ops, reference
+from loongkit_ops.kernels.ops import msda, msda_fused
 
 SEED = int(torch.seed() % 2**31)
 # (bs, Lq, heads, C, level shapes, points): odd channel counts cover the vector tails.
@@ -44,7 +44,7 @@ def tol(dtype: torch.dtype) -> dict[str, float]:
 def ref_all(value: torch.Tensor, shapes: torch.Tensor, starts: torch.Tensor, loc: torch.Tensor,
             attn: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
     v, lc, a = (t.detach().double().requires_grad_() for t in (value, loc, attn))
-    out = reference.ms_deform_attn(v, shapes, starts, lc, a)
+    out = msda.reference(v, shapes, starts, lc, a)
     out.backward(grad.double())
     return out.detach(), v.grad, lc.grad, a.grad
 
@@ -92,8 +92,8 @@ def test_nan_and_far_locations_do_not_crash(ext: Any) -> None:
     loc[0, 0, 0, 0, 0] = float("nan")
     loc[0, 1, 0, 0, 0] = 1e30
     loc[0, 2, 0, 0, 0] = -1e30
-    out = ops.ms_deform_attn_op(value, shapes, starts, loc, attn)
-    ref = reference.ms_deform_attn(value.double(), shapes, starts, loc.double().nan_to_num(0, 1e30, -1e30),
+    out = msda.op(value, shapes, starts, loc, attn)
+    ref = msda.reference(value.double(), shapes, starts, loc.double().nan_to_num(0, 1e30, -1e30),
                                    attn.double())
     # A NaN location contributes nothing (no valid corner); far ones fall outside every map.
     keep = torch.ones(out.shape[1], dtype=torch.bool)
@@ -108,7 +108,7 @@ def test_op_autograd_and_gradcheck(ext: Any) -> None:
     # with negligible probability.
     inputs = [value.requires_grad_(), loc.requires_grad_(), attn.requires_grad_()]
     assert torch.autograd.gradcheck(
-        lambda v, lc, a: ops.ms_deform_attn_op(v, shapes, starts, lc, a), inputs, eps=1e-7, atol=1e-5)
+        lambda v, lc, a: msda.op(v, shapes, starts, lc, a), inputs, eps=1e-7, atol=1e-5)
 
 
 def test_opcheck(ext: Any) -> None:
@@ -116,9 +116,9 @@ def test_opcheck(ext: Any) -> None:
     for dtype in (torch.float32, torch.float64):
         value, shapes, starts, loc, attn = make(CASES[1], dtype, gen)
         args = (value.requires_grad_(), shapes, starts, loc.requires_grad_(), attn.requires_grad_())
-        torch.library.opcheck(ops.ms_deform_attn_op, args)
+        torch.library.opcheck(msda.op, args)
         grad = torch.randn(2, 5, 15, generator=gen, dtype=dtype)
-        torch.library.opcheck(ops.ms_deform_attn_backward_op, (grad, value.detach(), shapes, starts, loc.detach(),
+        torch.library.opcheck(msda.backward_op, (grad, value.detach(), shapes, starts, loc.detach(),
                                                                attn.detach()))
 
 
@@ -129,7 +129,7 @@ def test_torch_compile_fullgraph(ext: Any) -> None:
     w = torch.randn(15, 4, generator=gen)
 
     def block(v: torch.Tensor, lc: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        return (ops.ms_deform_attn_op(v * 2, shapes, starts, lc.clamp(0, 1), a.softmax(-1)) @ w).sum()
+        return (msda.op(v * 2, shapes, starts, lc.clamp(0, 1), a.softmax(-1)) @ w).sum()
 
     compiled = torch.compile(block, backend="aot_eager", fullgraph=True)  # fullgraph: a break would raise
     eager_in = [t.clone().requires_grad_() for t in (value, loc, attn)]
@@ -145,19 +145,19 @@ def test_reference_fallback_when_kernel_missing(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(kernels, "failure", lambda: "RuntimeError: no compiler")
     gen = torch.Generator().manual_seed(SEED)
     value, shapes, starts, loc, attn = make(CASES[0], torch.float64, gen)
-    assert ops.msda_backend(value) == ("reference", "CPU kernel unavailable: RuntimeError: no compiler")
+    assert msda.backend(value) == ("reference", "CPU kernel unavailable: RuntimeError: no compiler")
     inputs = [value.requires_grad_(), loc.requires_grad_(), attn.requires_grad_()]
-    out = ops.ms_deform_attn_op(inputs[0], shapes, starts, inputs[1], inputs[2])
+    out = msda.op(inputs[0], shapes, starts, inputs[1], inputs[2])
     out.backward(torch.ones_like(out))
     expected = ref_all(value, shapes, starts, loc, attn, torch.ones_like(out))
     for mine, theirs in zip((out, *(t.grad for t in inputs)), expected, strict=True):
         torch.testing.assert_close(mine, theirs)
-    assert ops.msda_backend(value.half())[0] == "reference"
+    assert msda.backend(value.half())[0] == "reference"
 
 
 TRITON_SCRIPT = """
-    from loongkit_ops.kernels.triton import msda
-    from loongkit_ops.kernels import reference
+    from loongkit_ops.kernels.ops import msda
+    from loongkit_ops.kernels.triton import msda as triton_msda
     (seed,) = ARGS; gen = torch.Generator().manual_seed(seed)
     worst = 0.0
     for dtype, (bs, lq, heads, c, shapes, points) in ((torch.float32, (2, 3, 2, 5, [(3, 4), (2, 2)], 2)),
@@ -168,10 +168,10 @@ TRITON_SCRIPT = """
         loc = torch.rand(bs, lq, heads, len(shapes), points, 2, generator=gen, dtype=dtype) * 1.6 - 0.3
         a = torch.rand(bs, lq, heads, len(shapes), points, generator=gen, dtype=dtype)
         g = torch.randn(bs, lq, heads * c, generator=gen, dtype=dtype)
-        out = msda.forward(v, shapes_t, starts, loc, a)
-        gv, gl, ga = msda.backward(g, v, shapes_t, starts, loc, a)
+        out = triton_msda.forward(v, shapes_t, starts, loc, a)
+        gv, gl, ga = triton_msda.backward(g, v, shapes_t, starts, loc, a)
         rv, rl, ra = (t.double().requires_grad_() for t in (v, loc, a))
-        ref = reference.ms_deform_attn(rv, shapes_t, starts, rl, ra); ref.backward(g.double())
+        ref = msda.reference(rv, shapes_t, starts, rl, ra); ref.backward(g.double())
         for mine, theirs in ((out, ref), (gv, rv.grad), (gl, rl.grad), (ga, ra.grad)):
             err = ((mine.double() - theirs).abs() / (theirs.abs() + 1)).max().item()
             worst = max(worst, err / (1e-5 if dtype == torch.float32 else 1e-12))
@@ -216,7 +216,7 @@ def make_fused(case: tuple, dtype: torch.dtype, gen: torch.Generator, strided: b
 def fused_ref_all(args: tuple[Any, ...], grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
     value, shapes, starts, ref, proj, per_level, queue = args
     v, r, p = (t.detach().double().requires_grad_() for t in (value, ref, proj))
-    out = reference.ms_deform_attn_fused(v, shapes, starts, r, p, per_level, queue)
+    out = msda_fused.reference(v, shapes, starts, r, p, per_level, queue)
     out.backward(grad.double())
     return out.detach(), v.grad, r.grad, p.grad
 
@@ -240,7 +240,7 @@ def test_fused_kernel_matches_reference(ext: Any, dtype: torch.dtype, case: tupl
         ext.msda_fused_backward(value, shapes, starts, ref, proj, per_level, queue, grad, gv, gp)
         # grad of the reference points: through the op's autograd (from the offsets' gradient)
         r = ref.clone().requires_grad_()
-        ops.ms_deform_attn_fused(value, shapes, starts, r, proj, per_level, queue).backward(grad)
+        msda_fused.ms_deform_attn_fused(value, shapes, starts, r, proj, per_level, queue).backward(grad)
     finally:
         torch.set_num_threads(before)
     for name, mine, theirs in zip(("out", "grad_value", "grad_ref", "grad_proj"), (out, gv, r.grad, gp), expected,
@@ -253,14 +253,14 @@ def test_fused_op_autograd_gradcheck_and_opcheck(ext: Any) -> None:
     value, shapes, starts, ref, proj, per_level, queue = make_fused(FUSED_CASES[1], torch.float64, gen)
     inputs = [value.requires_grad_(), ref.requires_grad_(), proj.contiguous().requires_grad_()]
     assert torch.autograd.gradcheck(
-        lambda v, r, p: ops.ms_deform_attn_fused_op(v, shapes, starts, r, p, per_level, queue), inputs, eps=1e-7,
+        lambda v, r, p: msda_fused.op(v, shapes, starts, r, p, per_level, queue), inputs, eps=1e-7,
         atol=1e-5)
     for dtype in (torch.float32, torch.float64):
         value, shapes, starts, ref, proj, per_level, queue = make_fused(FUSED_CASES[2], dtype, gen, strided=False)
-        torch.library.opcheck(ops.ms_deform_attn_fused_op, (value.requires_grad_(), shapes, starts, ref,
+        torch.library.opcheck(msda_fused.op, (value.requires_grad_(), shapes, starts, ref,
                                                             proj.requires_grad_(), per_level, queue))
         grad = torch.randn(3, 8, 66, generator=gen, dtype=dtype)
-        torch.library.opcheck(ops.ms_deform_attn_fused_backward_op,
+        torch.library.opcheck(msda_fused.backward_op,
                               (grad, value.detach(), shapes, starts, ref, proj.detach(), per_level, queue))
 
 
@@ -271,7 +271,7 @@ def test_fused_reference_fallback_when_kernel_missing(monkeypatch: pytest.Monkey
     value, shapes, starts, ref, proj, per_level, queue = args = make_fused(FUSED_CASES[0], torch.float64, gen)
     grad = torch.randn(1, 9, 16, generator=gen, dtype=torch.float64)
     inputs = [value.requires_grad_(), ref.requires_grad_(), proj.detach().requires_grad_()]
-    out = ops.ms_deform_attn_fused(inputs[0], shapes, starts, inputs[1], inputs[2], per_level, queue)
+    out = msda_fused.ms_deform_attn_fused(inputs[0], shapes, starts, inputs[1], inputs[2], per_level, queue)
     out.backward(grad)
     for mine, theirs in zip((out, *(t.grad for t in inputs)), fused_ref_all(args, grad), strict=True):
         torch.testing.assert_close(mine, theirs)

@@ -3,7 +3,7 @@
 A child process with TRITON_INTERPRET=1 runs loongkit::dice_stats (mmseg 1.x: every activation,
 drop_class in and out of range, naive) and loongkit::dice_class_stats (mmseg 0.x: ignore_index
 255 / a real class / absent, exponents 1, 2 and general) with the backend forced to 'triton' (so
-the dispatch in kernels/ops.py is exercised too), forward and backward through autograd, with
+the dispatch in kernels/ops/ is exercised too), forward and backward through autograd, with
 torch.empty / empty_like / new_empty poisoned (NaN) so an unwritten element shows. The parent
 compares with the fp64 reference and with the C++ kernels. Fresh random inputs every run (seed in
 every failure message); the pixel count is not a multiple of the tile and C not a power of two.
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from loongkit_ops.kernels import ops, reference
+from loongkit_ops.kernels.ops import dice_class_stats, dice_stats
 
 SEED = int(torch.seed() % 2**31)
 # Cityscapes' 19 classes (32 class lanes): S spans 2 pixel tiles in fp32 (BLOCK_S 128), 3 in fp64 (64).
@@ -26,8 +26,8 @@ STATS = [(act, drop, naive) for act in (0, 1, 2) for drop, naive in ((-1, False)
 CLASS = [(ignore, e) for ignore, e in ((255, 2.0), (2, 1.0), (-1, 1.5), (255, 0.7))]
 
 SCRIPT = """
-    from loongkit_ops.kernels import ops
-    ops.dice_backend = lambda t: ("triton", "")  # CPU tensors through the Triton branch
+    from loongkit_ops.kernels.ops import dice_class_stats, dice_stats
+    dice_stats.backend = dice_class_stats.backend = lambda t: ("triton", "")  # CPU tensors through Triton
     seed, n, c, s, stats_cases, class_cases = ARGS
     gen = torch.Generator().manual_seed(seed)
     results = []
@@ -38,14 +38,14 @@ SCRIPT = """
         for act, drop, naive in stats_cases:
             g = torch.randn(n, 3, generator=gen, dtype=dtype)
             x = logits.clone().requires_grad_()
-            out = ops.dice_stats_op(x, target, act, drop, naive)
+            out = dice_stats.op(x, target, act, drop, naive)
             out.backward(g)
             results.append(dict(kind="stats", args=(act, drop, naive), logits=logits, target=target, grad=g,
                                 out=out.detach(), grad_logits=x.grad))
         for ignore, e in class_cases:
             g = torch.randn(n, c, 3, generator=gen, dtype=dtype)
             x = logits.clone().requires_grad_()
-            out = ops.dice_class_stats_op(x, target, ignore, e)
+            out = dice_class_stats.op(x, target, ignore, e)
             out.backward(g)
             results.append(dict(kind="class", args=(ignore, e), logits=logits, target=target, grad=g,
                                 out=out.detach(), grad_logits=x.grad))
@@ -65,8 +65,8 @@ def test_triton_kernel_interpreted(ext: Any, run_interpreted: Callable[..., Any]
         logits, target, grad, out, grad_logits = r["logits"], r["target"], r["grad"], r["out"], r["grad_logits"]
         dtype = logits.dtype
         msg = f"seed {SEED}, {r['kind']} {r['args']}, {dtype}"
-        fn, ref_fn = ((ops.dice_stats_op, reference.dice_stats) if r["kind"] == "stats"
-                      else (ops.dice_class_stats_op, reference.dice_class_stats))
+        fn, ref_fn = ((dice_stats.op, dice_stats.reference) if r["kind"] == "stats"
+                      else (dice_class_stats.op, dice_class_stats.reference))
         assert out.dtype == dtype and grad_logits.dtype == dtype and grad_logits.shape == logits.shape, msg
         x = logits.detach().double().requires_grad_()
         expected = ref_fn(x, target, *r["args"])
@@ -77,7 +77,7 @@ def test_triton_kernel_interpreted(ext: Any, run_interpreted: Callable[..., Any]
             scale = theirs.abs().max().clamp(min=1)
             torch.testing.assert_close(mine.double() / scale, theirs / scale, **tol,
                                        msg=lambda m, s=f"{name} {msg}": f"{s}: {m}")
-        assert ops.dice_backend(logits)[0] == "cpu"
+        assert dice_stats.backend(logits)[0] == dice_class_stats.backend(logits)[0] == "cpu"
         y = logits.clone().requires_grad_()
         cpu = fn(y, target, *r["args"])
         cpu.backward(grad)

@@ -1,7 +1,7 @@
 """The Triton fused deformable attention (kernels/triton/msda_fused.py), run by Triton's interpreter on CPU tensors.
 
 A child process with TRITON_INTERPRET=1 runs ``loongkit::ms_deform_attn_fused`` with the MSDA backend
-forced to 'triton' (so the dispatch in kernels/ops.py is exercised too), forward and backward through
+forced to 'triton' (so the dispatch in kernels/ops/ is exercised too), forward and backward through
 autograd, with every torch.empty / empty_like / new_empty poisoned (NaN) so an element the kernels
 forget to write shows. The parent compares the output and the gradients of value, projection (offsets
 and logits) and reference points with the fp64 reference and with the C++ kernel. Fresh random inputs
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from loongkit_ops.kernels import ops, reference
+from loongkit_ops.kernels.ops import msda, msda_fused
 
 SEED = int(torch.seed() % 2**31)
 # (NQ, queue, Q, heads, C, level shapes, points, reference points R, per_level): TSA-like (queue 2, one
@@ -29,8 +29,8 @@ CASES = [
 ]
 
 SCRIPT = """
-    from loongkit_ops.kernels import ops
-    ops.msda_backend = lambda t: ("triton", "")  # CPU tensors through the Triton branch
+    from loongkit_ops.kernels.ops import msda, msda_fused
+    msda.backend = lambda t: ("triton", "")  # CPU tensors through the Triton branch
     seed, cases = ARGS
     gen = torch.Generator().manual_seed(seed)
     results = []
@@ -50,12 +50,12 @@ SCRIPT = """
             base[..., 0] = 40.0
             grad = torch.randn(nq, q, heads * c, generator=gen, dtype=dtype)
             v, rf, b = (t.clone().requires_grad_() for t in (value, ref, base))
-            out = ops.ms_deform_attn_fused_op(v, shapes_t, starts, rf, b[..., :3 * n], per_level, queue)
+            out = msda_fused.op(v, shapes_t, starts, rf, b[..., :3 * n], per_level, queue)
             out.backward(grad)
             results.append(dict(case=(nq, queue, q, heads, c, shapes, points, anchors, per_level), value=value,
                                 shapes=shapes_t, starts=starts, ref=ref, proj=base[..., :3 * n], grad=grad,
                                 out=out.detach(), grad_value=v.grad, grad_ref=rf.grad, grad_proj=b.grad,
-                                backend=ops._msda_fused_backend(value)))
+                                backend=msda_fused.backend(value)[0]))
     save(results)
 """
 
@@ -80,7 +80,7 @@ def test_triton_kernel_interpreted(ext: Any, run_interpreted: Callable[..., Any]
             assert t.dtype == dtype and t.shape == shapes_want[name] and not t.isnan().any(), f"{name} {msg}"
 
         v, rf, p = (t.to(torch.float64, copy=True).requires_grad_() for t in (value, ref, proj))
-        expected = reference.ms_deform_attn_fused(v, shapes, starts, rf, p, per_level, queue)
+        expected = msda_fused.reference(v, shapes, starts, rf, p, per_level, queue)
         expected.backward(grad.double())
         want = {"out": expected.detach(), "grad_value": v.grad, "grad_ref": rf.grad, "grad_proj": p.grad}
         eps = 1e-5 if dtype == torch.float32 else 1e-12
@@ -89,9 +89,9 @@ def test_triton_kernel_interpreted(ext: Any, run_interpreted: Callable[..., Any]
             torch.testing.assert_close(t.double(), want[name], rtol=eps, atol=eps * scale,
                                        msg=lambda m, s=f"{name} {msg}": f"{s}: {m}")
 
-        assert ops.msda_backend(value)[0] == "cpu"
+        assert msda.backend(value)[0] == "cpu"
         cv, cr, cp = (t.clone().requires_grad_() for t in (value, ref, proj))  # proj: contiguous copy
-        cpu = ops.ms_deform_attn_fused_op(cv, shapes, starts, cr, cp, per_level, queue)
+        cpu = msda_fused.op(cv, shapes, starts, cr, cp, per_level, queue)
         cpu.backward(grad)
         theirs = {"out": cpu.detach(), "grad_value": cv.grad, "grad_ref": cr.grad, "grad_proj": cp.grad}
         for name, t in got.items():

@@ -1,7 +1,7 @@
 """The Triton voxelization kernels (kernels/triton/voxelize.py), run by Triton's interpreter on CPU tensors.
 
 A child process with TRITON_INTERPRET=1 runs loongkit::hard_voxelize and loongkit::dynamic_voxelize
-with the backend forced to 'triton' (so the dispatch in kernels/ops.py is exercised too), with
+with the backend forced to 'triton' (so the dispatch in kernels/ops/ is exercised too), with
 torch.empty / empty_like / new_empty poisoned (NaN, or -7 for integers) so an unwritten element
 shows. The parent requires outputs identical to the C++ kernel's (and to the reference's): same
 dtypes, shapes and values, voxel order, point order in a voxel, caps and zero padding. Clouds are
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from loongkit_ops.kernels import ops, reference
+from loongkit_ops.kernels.ops import voxelize
 
 SEED = int(torch.seed() % 2**31)
 # (voxel_size, coors_range): the second is a pillar grid (one z voxel) with sizes that are not powers of two.
@@ -25,8 +25,8 @@ GRIDS = [([0.2, 0.25, 0.5], [-4.0, -5.0, -1.0, 4.0, 5.0, 2.0]), ([0.3, 0.7, 3.0]
 CASES = [(300, 4, 10000), (300, 2, 25), (200, 1, 7), (0, 3, 5), (60, 0, 20), (60, 3, 0)]
 
 SCRIPT = """
-    from loongkit_ops.kernels import ops
-    ops.voxelize_backend = lambda t: ("triton", "")  # CPU tensors through the Triton branch
+    from loongkit_ops.kernels.ops import voxelize
+    voxelize.backend = lambda t: ("triton", "")  # CPU tensors through the Triton branch
     seed, grids, cases = ARGS
     gen = torch.Generator().manual_seed(seed)
     results = []
@@ -42,8 +42,8 @@ SCRIPT = """
                 if n > 5:
                     pts[3, 0] = float("nan")
                     pts[5, 1] = 1e30
-                hard = ops.hard_voxelize_op(pts, size, rng, max_points, max_voxels)
-                dyn = ops.dynamic_voxelize_op(pts, size, rng)
+                hard = voxelize.hard_op(pts, size, rng, max_points, max_voxels)
+                dyn = voxelize.dynamic_op(pts, size, rng)
                 results.append(dict(grid=gi, case=(n, max_points, max_voxels), points=pts, hard=hard, dynamic=dyn))
     save(results)
 """
@@ -64,11 +64,11 @@ def test_triton_kernel_interpreted(ext: Any, run_interpreted: Callable[..., Any]
         pts, (_, max_points, max_voxels) = r["points"], r["case"]
         size, rng = GRIDS[r["grid"]]
         msg = f"seed {SEED}, grid {r['grid']}, case {r['case']}, {pts.dtype}"
-        assert ops.voxelize_backend(pts)[0] == "cpu"
-        assert_same(r["hard"], ops.hard_voxelize_op(pts, size, rng, max_points, max_voxels), f"vs C++ kernel {msg}")
-        assert_same(r["hard"], reference.hard_voxelize(pts, size, rng, max_points, max_voxels), f"vs reference {msg}")
+        assert voxelize.backend(pts)[0] == "cpu"
+        assert_same(r["hard"], voxelize.hard_op(pts, size, rng, max_points, max_voxels), f"vs C++ kernel {msg}")
+        assert_same(r["hard"], voxelize.hard_reference(pts, size, rng, max_points, max_voxels), f"vs reference {msg}")
         dyn = r["dynamic"]
-        assert dyn.dtype == torch.int32 and torch.equal(dyn, ops.dynamic_voxelize_op(pts, size, rng)), msg
-        assert torch.equal(dyn, reference.dynamic_voxelize(pts, size, rng)), msg
+        assert dyn.dtype == torch.int32 and torch.equal(dyn, voxelize.dynamic_op(pts, size, rng)), msg
+        assert torch.equal(dyn, voxelize.dynamic_reference(pts, size, rng)), msg
         capped += int(r["hard"][2].numel() == max_voxels > 0 and bool((r["hard"][2] == max_points).any()))
     assert capped > 0, f"seed {SEED}: no case reached both caps"  # the caps were exercised

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 from loongkit_ops import kernels
-from loongkit_ops.kernels import ops, reference
+from loongkit_ops.kernels.ops import voxelize
 
 SEED = int(torch.seed() % 2**31)
 GRID = ([0.2, 0.25, 0.5], [-4.0, -5.0, -1.0, 4.0, 5.0, 2.0])
@@ -24,7 +24,7 @@ def cloud(gen: torch.Generator, n: int, dtype: torch.dtype = torch.float32, feat
 def scan(points: torch.Tensor, size: list[float], rng: list[float], max_points: int,
          max_voxels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rules as a literal loop over the points (slow; small inputs only)."""
-    coords = reference.dynamic_voxelize(points, size, rng).tolist()
+    coords = voxelize.dynamic_reference(points, size, rng).tolist()
     ids: dict[tuple, int] = {}
     rows: list[list[torch.Tensor]] = []
     order: list[tuple] = []
@@ -64,29 +64,29 @@ def test_kernel_matches_reference_and_scan(ext: Any, dtype: torch.dtype, n: int,
     if n:
         pts[3, 0] = float("nan")
     got = ext.hard_voxelize(pts, *GRID, max_points, max_voxels)
-    assert_same(tuple(got), reference.hard_voxelize(pts, *GRID, max_points, max_voxels))
+    assert_same(tuple(got), voxelize.hard_reference(pts, *GRID, max_points, max_voxels))
     assert_same(tuple(got), scan(pts, *GRID, max_points, max_voxels))
     coors = ext.dynamic_voxelize(pts, *GRID)
-    assert torch.equal(coors, reference.dynamic_voxelize(pts, *GRID))
+    assert torch.equal(coors, voxelize.dynamic_reference(pts, *GRID))
 
 
 def test_dense_cloud_many_points_per_voxel(ext: Any) -> None:
     """100k points in few voxels: the per-voxel caps and input order matter for nearly every point."""
     gen = torch.Generator().manual_seed(SEED)
     pts = torch.rand(100_000, 5, generator=gen) * torch.tensor([2.0, 2.0, 1.0, 1.0, 1.0])
-    got = ops.hard_voxelize_op(pts, *GRID, 35, 60)
-    assert_same(got, reference.hard_voxelize(pts, *GRID, 35, 60))
+    got = voxelize.hard_op(pts, *GRID, 35, 60)
+    assert_same(got, voxelize.hard_reference(pts, *GRID, 35, 60))
     assert got[0].shape[0] == 60 and int(got[2].min()) == 35
 
 
 def test_reference_fallback_and_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(SEED)
     pts = cloud(gen, 800)
-    assert ops.voxelize_backend(pts.bfloat16())[0] == "reference"
+    assert voxelize.backend(pts.bfloat16())[0] == "reference"
     monkeypatch.setattr(kernels, "load", lambda: None)
     monkeypatch.setattr(kernels, "failure", lambda: "RuntimeError: boom")
-    assert ops.voxelize_backend(pts) == ("reference", "CPU kernel unavailable: RuntimeError: boom")
-    assert_same(ops.hard_voxelize_op(pts, *GRID, 3, 100), scan(pts, *GRID, 3, 100))
+    assert voxelize.backend(pts) == ("reference", "CPU kernel unavailable: RuntimeError: boom")
+    assert_same(voxelize.hard_op(pts, *GRID, 3, 100), scan(pts, *GRID, 3, 100))
 
 
 def test_bad_arguments_raise(ext: Any) -> None:
@@ -102,12 +102,12 @@ def test_bad_arguments_raise(ext: Any) -> None:
 def test_opcheck_and_compile(ext: Any) -> None:
     gen = torch.Generator().manual_seed(SEED)
     pts = cloud(gen, 600)
-    torch.library.opcheck(ops.dynamic_voxelize_op, (pts, *GRID))
-    torch.library.opcheck(ops.hard_voxelize_op, (pts, *GRID, 3, 100),
+    torch.library.opcheck(voxelize.dynamic_op, (pts, *GRID))
+    torch.library.opcheck(voxelize.hard_op, (pts, *GRID, 3, 100),
                           test_utils=("test_schema", "test_faketensor"))
     torch._dynamo.reset()
 
     def count(p: torch.Tensor) -> torch.Tensor:
-        return (ops.dynamic_voxelize_op(p * 1.0, *GRID) >= 0).all(1).sum()
+        return (voxelize.dynamic_op(p * 1.0, *GRID) >= 0).all(1).sum()
 
     assert int(torch.compile(count, backend="aot_eager", fullgraph=True)(pts)) == int(count(pts))

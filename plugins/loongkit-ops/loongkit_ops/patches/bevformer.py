@@ -173,7 +173,7 @@ def _msda_common_problem(module: Any, query: Any, value: Any, reference_points: 
                          queue: int) -> str | None:
     import torch
 
-    from loongkit_ops.kernels import ops
+    from loongkit_ops.kernels.ops import msda
 
     if getattr(module, "fp16_enabled", False):
         return "fp16_enabled (force_fp32 casts)"
@@ -183,7 +183,7 @@ def _msda_common_problem(module: Any, query: Any, value: Any, reference_points: 
         return "sampling_offsets/attention_weights are not biased Linear layers"
     if not all(isinstance(t, torch.Tensor) for t in (query, value, reference_points, spatial_shapes)):
         return "missing tensors"
-    backend, why = ops.msda_backend(value)
+    backend, why = msda.backend(value)
     if backend != "cpu":
         return why or f"{value.device.type} tensors"
     if query.dtype != value.dtype or reference_points.dtype != value.dtype or so.weight.dtype != value.dtype:
@@ -207,14 +207,15 @@ def merged_projection(module: Any) -> tuple[Any, Any]:
 def msda3d_sample(module: Any, value: Any, proj: Any, reference_points: Any, key_padding_mask: Any,
                   spatial_shapes: Any, level_start_index: Any) -> Any:
     """MSDeformableAttention3D after its query projections: ``proj`` [bs, Q, offsets | logits]."""
-    from loongkit_ops.kernels import ops
+    from loongkit_ops.kernels.ops import msda_fused
 
     bs, num_value, _ = value.shape
     value = module.value_proj(value)
     if key_padding_mask is not None:
         value = value.masked_fill(key_padding_mask[..., None], 0.0)
     value = value.view(bs, num_value, module.num_heads, -1)
-    return ops.ms_deform_attn_fused(value, spatial_shapes, level_start_index, reference_points, proj, False, 1)
+    return msda_fused.ms_deform_attn_fused(value, spatial_shapes, level_start_index, reference_points, proj, False,
+                                           1)
 
 
 def msda3d_problem(module: Any, query: Any, value: Any, reference_points: Any, spatial_shapes: Any) -> str | None:
@@ -247,7 +248,7 @@ def tsa_fused(module: Any, query: Any, value: Any, identity: Any, query_pos: Any
     """TemporalSelfAttention.forward's maths on the fused op, batch-major rows (see the module docstring)."""
     import torch
 
-    from loongkit_ops.kernels import ops
+    from loongkit_ops.kernels.ops import msda_fused
 
     if value is None:  # batch_first (checked): [current, current] per sample
         bs, length, channels = query.shape
@@ -270,7 +271,8 @@ def tsa_fused(module: Any, query: Any, value: Any, identity: Any, query_pos: Any
     if key_padding_mask is not None:
         value = value.masked_fill(key_padding_mask[..., None], 0.0)
     value = value.reshape(bs * queue, num_value, module.num_heads, -1)
-    output = ops.ms_deform_attn_fused(value, spatial_shapes, level_start_index, reference_points, proj, True, queue)
+    output = msda_fused.ms_deform_attn_fused(value, spatial_shapes, level_start_index, reference_points, proj, True,
+                                             queue)
     output = module.output_proj(output)
     if not module.batch_first:
         output = output.permute(1, 0, 2)

@@ -228,14 +228,14 @@ class BevFusionPool(FeatureImpl):
     def _patch_pool(self, ctx: ActivationContext, base: type) -> None:
         import torch
 
-        from loongkit_ops.kernels import ops
+        from loongkit_ops.kernels.ops import bev_pool as pool_op
 
         original = base.__dict__[POOL]
         record = ctx.record
 
         def bev_pool(self: Any, geom_feats: Any, x: Any) -> Any:
             if not (isinstance(x, torch.Tensor) and isinstance(geom_feats, torch.Tensor) and x.dim() == 6
-                    and ops.bev_pool_backend(x)[0] == "cpu" and all(hasattr(self, a) for a in ("bx", "dx", "nx"))):
+                    and pool_op.backend(x)[0] == "cpu" and all(hasattr(self, a) for a in ("bx", "dx", "nx"))):
                 return original(self, geom_feats, x)
             record.calls += 1
             B, N, D, H, W, C = x.shape
@@ -245,7 +245,7 @@ class BevFusionPool(FeatureImpl):
             batch = torch.arange(B, device=x.device).repeat_interleave(n // B)[:, None]
             coords = torch.cat([voxels, batch], 1)
             nx = [int(v) for v in self.nx]
-            out = ops.bev_pool_op(x.reshape(n, C), coords, B, nx[2], nx[0], nx[1])
+            out = pool_op.op(x.reshape(n, C), coords, B, nx[2], nx[0], nx[1])
             return torch.cat(out.unbind(dim=2), 1)
 
         bev_pool.__doc__ = original.__doc__

@@ -109,7 +109,7 @@ def interface_problem(cls: type) -> str | None:
     return None
 
 
-def _fused_inputs(module: Any, feature_maps: Any, ops: Any, torch: Any) -> tuple[Any, ...] | None:
+def _fused_inputs(module: Any, feature_maps: Any, daf: Any, torch: Any) -> tuple[Any, ...] | None:
     """(mc_ms_feat, spatial_shape, scale_start_index, inside_only) for the op, or None: run the original."""
     if not all(hasattr(module, a) for a in ATTRIBUTES) or not isinstance(feature_maps, list | tuple):
         return None
@@ -117,7 +117,7 @@ def _fused_inputs(module: Any, feature_maps: Any, ops: Any, torch: Any) -> tuple
         if len(feature_maps) != 3 or not all(isinstance(t, torch.Tensor) for t in feature_maps):
             return None
         feat, shapes, starts = feature_maps
-        if feat.dim() != 3 or shapes.dim() != 3 or ops.daf_backend(feat)[0] == "reference":
+        if feat.dim() != 3 or shapes.dim() != 3 or daf.backend(feat)[0] == "reference":
             return None
         return feat, shapes, starts, True
     if (len(feature_maps) != module.num_levels or not all(isinstance(t, torch.Tensor) and t.dim() == 5
@@ -126,7 +126,7 @@ def _fused_inputs(module: Any, feature_maps: Any, ops: Any, torch: Any) -> tuple
     bs, cams, c = feature_maps[0].shape[:3]
     if cams != module.num_cams or any(t.shape[:3] != (bs, cams, c) for t in feature_maps):
         return None
-    if ops.daf_backend(feature_maps[0])[0] == "reference" or any(t.dtype != feature_maps[0].dtype
+    if daf.backend(feature_maps[0])[0] == "reference" or any(t.dtype != feature_maps[0].dtype
                                                                   for t in feature_maps):
         return None
     # [bs, cams, C, H, W] per level -> [bs, cams * sum(H*W), C]: camera-major, then level, row-major.
@@ -182,14 +182,14 @@ class SparseDAG(FeatureImpl):
     def _patch(self, ctx: ActivationContext, cls: type) -> None:
         import torch
 
-        from loongkit_ops.kernels import ops
+        from loongkit_ops.kernels.ops import daf
 
         original = cls.forward
         record = ctx.record
 
         def forward(self: Any, instance_feature: Any, anchor: Any, anchor_embed: Any, feature_maps: Any, metas: Any,
                     **kwargs: Any) -> Any:
-            plan = _fused_inputs(self, feature_maps, ops, torch)
+            plan = _fused_inputs(self, feature_maps, daf, torch)
             if plan is None:
                 return original(self, instance_feature, anchor, anchor_embed, feature_maps, metas, **kwargs)
             feat, shapes, starts, inside_only = plan
@@ -201,7 +201,7 @@ class SparseDAG(FeatureImpl):
                          .permute(0, 2, 3, 1, 4).reshape(bs, num_anchor, self.num_pts, self.num_cams, 2))
             weights = weights.permute(0, 1, 4, 2, 3, 5).reshape(bs, num_anchor, self.num_pts, self.num_cams,
                                                                  self.num_levels, self.num_groups)
-            features = ops.deformable_aggregation(feat, shapes, starts, points_2d, weights, inside_only)
+            features = daf.deformable_aggregation(feat, shapes, starts, points_2d, weights, inside_only)
             output = self.proj_drop(self.output_proj(features.reshape(bs, num_anchor, self.embed_dims)))
             if self.residual_mode == "add":
                 output = output + instance_feature

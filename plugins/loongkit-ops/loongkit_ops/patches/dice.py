@@ -80,7 +80,7 @@ class DiceLossMmseg1(FeatureImpl):
         import torch
 
         from loongkit_ops import kernels
-        from loongkit_ops.kernels import ops
+        from loongkit_ops.kernels.ops import dice_stats
         from loongkit_ops.patches.msda import _kernel_ready
 
         cls = module.DiceLoss
@@ -108,7 +108,7 @@ class DiceLossMmseg1(FeatureImpl):
             if drop >= 0 and channels == 1:
                 return original(self, pred, target, weight, avg_factor, reduction_override, ignore_index, **kwargs)
             record.calls += 1
-            stats = ops.dice_stats_op(pred.flatten(2), target.flatten(1), activation_code(self, channels), drop,
+            stats = dice_stats.op(pred.flatten(2), target.flatten(1), activation_code(self, channels), drop,
                                       bool(self.naive_dice))
             a, b, c = stats.unbind(1)
             c = c.float()  # upstream's one-hot target is float32 whatever pred's dtype: so are c and c + eps
@@ -182,7 +182,7 @@ class DiceLossMmseg0(FeatureImpl):
         import torch
 
         from loongkit_ops import kernels
-        from loongkit_ops.kernels import ops
+        from loongkit_ops.kernels.ops import dice_class_stats
         from loongkit_ops.patches.msda import _kernel_ready
 
         cls = module.DiceLoss
@@ -220,7 +220,7 @@ class DiceLossMmseg0(FeatureImpl):
             reduction = reduction_override if reduction_override else self.reduction
             n, channels = pred.shape[:2]
             record.calls += 1
-            stats = ops.dice_class_stats_op(pred.reshape(n, channels, -1), target.reshape(n, -1).long(),
+            stats = dice_class_stats.op(pred.reshape(n, channels, -1), target.reshape(n, -1).long(),
                                             self.ignore_index, float(self.exponent))
             a, b, t = stats.unbind(-1)
             per_class = (1 - (a * 2 + self.smooth) / (b + t + self.smooth)).mean(0)  # binary_dice_loss: batch mean

@@ -68,7 +68,7 @@ def fused_dispatcher(original: Any, record: Any) -> Any:
     import torch
 
     from loongkit_ops import kernels
-    from loongkit_ops.kernels import ops
+    from loongkit_ops.kernels.ops import msda
 
     fused_dtypes = (torch.float32, torch.float64)
 
@@ -82,8 +82,7 @@ def fused_dispatcher(original: Any, record: Any) -> Any:
             areas = shapes[:, 0] * shapes[:, 1]
             starts = torch.cat([areas.new_zeros(1), areas.cumsum(0)[:-1]])
             record.calls += 1
-            return ops.ms_deform_attn_op(value, shapes, starts, sampling_locations.to(value.dtype),
-                                         attention_weights.to(value.dtype))
+            return msda.op(value, shapes, starts, sampling_locations.to(value.dtype), attention_weights.to(value.dtype))
         return original(value, value_spatial_shapes, sampling_locations, attention_weights)
 
     multi_scale_deformable_attn_pytorch.__doc__ = original.__doc__

@@ -55,7 +55,7 @@ class Voxelization(FeatureImpl):
         import torch
 
         from loongkit_ops import kernels
-        from loongkit_ops.kernels import ops
+        from loongkit_ops.kernels.ops import voxelize
         from loongkit_ops.patches.msda import _kernel_ready
 
         fn_cls = module._Voxelization
@@ -89,8 +89,8 @@ class Voxelization(FeatureImpl):
                 return original(fctx, points, voxel_size, coors_range, max_points, max_voxels, deterministic)
             record.calls += 1
             if dynamic:
-                return ops.dynamic_voxelize_op(points, *grid)
-            return ops.hard_voxelize_op(points, *grid, max_points, max_voxels)
+                return voxelize.dynamic_op(points, *grid)
+            return voxelize.hard_op(points, *grid, max_points, max_voxels)
 
         forward.__doc__ = original.__doc__
         forward.__wrapped__ = original  # type: ignore[attr-defined]

@@ -1,6 +1,7 @@
 """Dice loss statistics in Triton: mmseg 1.x ``dice_stats`` and mmseg 0.x ``dice_class_stats``.
 
-Same semantics as the C++ kernels (cpu/dice.cpp) and :mod:`loongkit_ops.kernels.reference`:
+Same semantics as the C++ kernels (cpu/dice.cpp) and the references of ``kernels/ops/dice_stats.py`` and
+``kernels/ops/dice_class_stats.py``:
 
 - dice_stats, per sample n over kept classes and pixels: a = sum p*t, b = sum p^2 (naive: sum p),
   c = sum t^2 (the number of labelled pixels); p = identity (0) / sigmoid (1) / softmax over C (2) of

@@ -1,6 +1,6 @@
 """Fused deformable attention (BEVFormer's TSA / MSDeformableAttention3D) in Triton, forward and backward.
 
-The maths of ``reference.ms_deform_attn_fused`` (and of ``cpu/msda.cpp``'s fused kernels): from the
+The maths of ``ops.msda_fused.reference`` (and of ``cpu/msda.cpp``'s fused kernels): from the
 projection row [offsets (x, y) | logits] per (head, queue entry, level, point), the weights are the
 softmax of the logits over (levels, points), the location of (l, p) is ref[l] (per_level) or
 ref[p % R] plus offset / (W_l, H_l), and the output is the mean over the ``queue`` value batches of
