@@ -185,6 +185,19 @@ def _feature(facts: Facts, name: str) -> FeatureView | None:
     return view if view is not None and view.relevant and not view.enabled else None
 
 
+def _workers_setting(facts: Facts, count: int, extra: str = "") -> str | None:
+    """The job's knob for ``count`` workers, and loongkit's (no code change) when it is installed;
+    None when the job already runs with that count through loongkit's."""
+    knob = f"DataLoader(num_workers={count}){extra}"
+    view = facts.features.get("dataloader_workers")
+    if view is None:
+        return knob
+    current = facts.options.get("LOONGKIT_DATALOADER_WORKERS_COUNT", "").strip()
+    if view.enabled:
+        return None if current == str(count) else f"LOONGKIT_DATALOADER_WORKERS_COUNT={count}{extra}"
+    return f"{knob}, or with no code change LOONGKIT_DATALOADER_WORKERS=1 LOONGKIT_DATALOADER_WORKERS_COUNT={count}"
+
+
 def _data_bound(facts: Facts, out: list[dict[str, str]]) -> None:
     fig = facts.figures
     share = fig.data_wait_share
@@ -196,10 +209,11 @@ def _data_bound(facts: Facts, out: list[dict[str, str]]) -> None:
     main = facts.main_cpu or 0.0
     if facts.num_workers == 0:
         if facts.allowed >= 2:
-            suggested = max(1, min(8, int(facts.allowed - 1)))
-            out.append({"setting": f"DataLoader(num_workers={suggested})",
-                        "evidence": f"{head} with num_workers=0: the main process loads every batch itself "
-                                    f"while {cpus(facts.allowed)} CPUs are allowed"})
+            setting = _workers_setting(facts, max(1, min(8, int(facts.allowed - 1))))
+            if setting is not None:
+                out.append({"setting": setting,
+                            "evidence": f"{head} with num_workers=0: the main process loads every batch itself "
+                                        f"while {cpus(facts.allowed)} CPUs are allowed"})
         return
     used = facts.workers_cpu
     slots = facts.worker_slots or facts.num_workers
@@ -224,13 +238,15 @@ def _data_bound(facts: Facts, out: list[dict[str, str]]) -> None:
             out.append({"setting": "the job's per-sample transforms (cheaper) or more CPUs for the job",
                         "evidence": f"{head}, {saturation}: the workers are CPU-bound and no CPU is left"})
     elif per_worker >= WORKER_BUSY:
-        more = slots + max(1, int(spare + 0.25))
-        out.append({"setting": f"DataLoader(num_workers={more})",
-                    "evidence": f"{head}, {saturation}: {cpus(spare)} CPUs idle"})
+        setting = _workers_setting(facts, slots + max(1, int(spare + 0.25)))
+        if setting is not None:
+            out.append({"setting": setting, "evidence": f"{head}, {saturation}: {cpus(spare)} CPUs idle"})
     else:
-        out.append({"setting": f"DataLoader(num_workers={slots * 2}) or a larger prefetch_factor",
-                    "evidence": f"{head}, {saturation}: the workers are mostly waiting (I/O or sleep), "
-                                f"not computing"})
+        setting = _workers_setting(facts, slots * 2, " (or a larger prefetch_factor)")
+        if setting is not None:
+            out.append({"setting": setting,
+                        "evidence": f"{head}, {saturation}: the workers are mostly waiting (I/O or sleep), "
+                                    f"not computing"})
 
 
 def _main_starved(facts: Facts, out: list[dict[str, str]]) -> None:

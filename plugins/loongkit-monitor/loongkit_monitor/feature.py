@@ -63,7 +63,7 @@ SAMPLE_INTERVAL = 0.5  # seconds between the main process's usage samples (at st
 EARLY_SAMPLES = 12  # every one of the first boundaries is sampled (the warm-up ends among them)
 MAX_SAMPLES = 4096
 SWITCH_AFTER = 3  # steps of another optimizer, with none of the first, before it marks the steps
-RECOMMENDABLE = ("distortion", "imnormalize", "pytorch_memory", "numa_affinity", "config_guards")
+RECOMMENDABLE = ("distortion", "imnormalize", "pytorch_memory", "numa_affinity", "config_guards", "dataloader_workers")
 
 
 class MonitorOptions(LoongkitSettings):
