@@ -342,7 +342,7 @@ class ConfigGuards(FeatureImpl):
 
     def _watch_intra_op(self, ctx: ActivationContext, torch: Any, origin: str, report: bool) -> Callable[[str], None]:
         """Check the intra-op pool now, and again whenever the job changes it: ``torch.set_num_threads``
-        is observed through the patcher, and the returned ``recheck(origin)`` (run when a DataLoader
+        is observed through the patcher, and the returned ``recheck(where)`` (run when a DataLoader
         iterator is created) catches a pool set behind it. With APPLY_FIX the suggestion is set; undo
         puts back what the job asked for."""
         original = torch.set_num_threads
@@ -366,7 +366,7 @@ class ConfigGuards(FeatureImpl):
 
         def recheck(where: str) -> None:
             value = int(torch.get_num_threads())
-            if value != checked[0]:  # the same pool as last time: nothing new
+            if value != checked[0]:  # unchanged since the last check (or our fix): nothing new to say
                 check(value, where)
 
         check(checked[0], origin, report)
