@@ -21,7 +21,7 @@ msda_mod = pytest.importorskip("mmcv.ops.multi_scale_deform_attn")
 
 from loongkit_ops import kernels  # noqa: E402
 from loongkit_ops.kernels.ops import msda  # noqa: E402
-from loongkit_ops.patches.msda import BevformerMSDA  # noqa: E402
+from loongkit_ops.patches.bevformer import Bevformer  # noqa: E402
 from loongkit_ops.plugin import plugin  # noqa: E402
 
 from loongkit_core.context import ActivationContext, NotApplicable  # noqa: E402
@@ -37,10 +37,10 @@ def ext() -> Any:
     return module
 
 
-def activation() -> tuple[BevformerMSDA, ActivationContext]:
+def activation() -> tuple[Bevformer, ActivationContext]:
     feature = next(f for f in plugin.loongkit_declare_features() if f.name == "bevformer")
     ctx = ActivationContext.standalone(feature, logger="test")
-    return BevformerMSDA(feature), ctx
+    return Bevformer(feature), ctx
 
 
 def scaled(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from loongkit_ops import kernels
-from loongkit_ops.patches import registry_watch
+from loongkit_ops.patches import registry
 from loongkit_ops.plugin import plugin
 
 from loongkit_core.context import ActivationContext
@@ -397,10 +397,10 @@ def test_registry_hook_shared_between_features(mmcv1: types.ModuleType) -> None:
     assert all("patched by" not in v for v in ctx1.record.details["patched"].values())  # type: ignore[union-attr]
     assert "patched by LOONGKIT_BEVFORMER" in str(ctx2.record.details["patched"])  # MSDA3D: one class, two
     first.deactivate(ctx1)
-    assert registry_watch._subscribers  # UNIAD still watching
+    assert mmcv1.Registry in registry.hooked()  # UNIAD still watching
     second.deactivate(ctx2)
     assert mmcv1.Registry._register_module is original
-    assert not registry_watch._subscribers and not registry_watch._originals
+    assert not registry.hooked()
 
 
 # -- end to end: a user script under loongkit-run, fake mmcv 1.x layout on disk -------------------

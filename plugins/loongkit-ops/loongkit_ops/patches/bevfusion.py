@@ -35,7 +35,7 @@ from typing import Any
 from loongkit_core.context import ActivationContext
 from loongkit_core.feature import State
 from loongkit_core.kit import FeatureImpl
-from loongkit_ops.patches.registry_hook import stop, watch_registrations
+from loongkit_ops.patches.registry import stop, watch_registrations
 
 POOL = "bev_pool"
 POOL_PARAMS = ["self", "geom_feats", "x"]

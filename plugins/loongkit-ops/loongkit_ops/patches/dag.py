@@ -2,7 +2,7 @@
 
 Users vendor Sparse4D as ``projects/mmdet3d_plugin`` and its ``DeformableFeatureAggregation``
 registers itself (``@ATTENTION.register_module()`` on mmcv 1.x, ``MODELS`` on mmengine). The
-feature wraps the registries' ``_register_module`` (:mod:`.registry_hook`); when a class of that
+feature wraps the registries' ``_register_module`` (:mod:`.registry`); when a class of that
 name is registered, its interface is checked and its ``forward`` replaced (class attribute, undone
 on deactivation).
 
@@ -35,7 +35,7 @@ from typing import Any
 from loongkit_core.context import ActivationContext
 from loongkit_core.feature import State
 from loongkit_core.kit import FeatureImpl
-from loongkit_ops.patches.registry_hook import stop, watch_registrations
+from loongkit_ops.patches.registry import stop, watch_registrations
 
 CLASS_NAME = "DeformableFeatureAggregation"
 FORWARD_PARAMS = ["self", "instance_feature", "anchor", "anchor_embed", "feature_maps", "metas", "kwargs"]

@@ -79,9 +79,8 @@ class DiceLossMmseg1(FeatureImpl):
             raise NotApplicable(problem)
         import torch
 
-        from loongkit_ops import kernels
         from loongkit_ops.kernels.ops import dice_stats
-        from loongkit_ops.patches.msda import _kernel_ready
+        from loongkit_ops.patches import kernel
 
         cls = module.DiceLoss
         original = cls.forward
@@ -97,7 +96,7 @@ class DiceLossMmseg1(FeatureImpl):
         def forward(self: Any, pred: Any, target: Any, weight: Any = None, avg_factor: Any = None,
                     reduction_override: Any = None, ignore_index: Any = 255, **kwargs: Any) -> Any:
             # The kernel is built at the first eligible call (not when mmseg is imported).
-            if unsupported(self, pred, target) or not _kernel_ready(kernels, record):
+            if unsupported(self, pred, target) or not kernel.ready(ctx):
                 return original(self, pred, target, weight, avg_factor, reduction_override, ignore_index, **kwargs)
             assert reduction_override in (None, "none", "mean", "sum")
             reduction = reduction_override if reduction_override else self.reduction
@@ -181,9 +180,8 @@ class DiceLossMmseg0(FeatureImpl):
             raise NotApplicable(problem)
         import torch
 
-        from loongkit_ops import kernels
         from loongkit_ops.kernels.ops import dice_class_stats
-        from loongkit_ops.patches.msda import _kernel_ready
+        from loongkit_ops.patches import kernel
 
         cls = module.DiceLoss
         original = cls.forward
@@ -214,7 +212,7 @@ class DiceLossMmseg0(FeatureImpl):
                 if class_weight.shape != (pred.shape[1],):  # let upstream report (or accept) it
                     return original(self, pred, target, avg_factor, reduction_override, **kwargs)
             # The kernel is built here, at the first eligible call (not when mmseg is imported).
-            if not _kernel_ready(kernels, record):
+            if not kernel.ready(ctx):
                 return original(self, pred, target, avg_factor, reduction_override, **kwargs)
             assert reduction_override in (None, "none", "mean", "sum")
             reduction = reduction_override if reduction_override else self.reduction

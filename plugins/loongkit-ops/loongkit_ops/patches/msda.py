@@ -1,4 +1,4 @@
-"""LOONGKIT_BEVFORMER (first part): mmcv's MultiScaleDeformableAttention on the fused CPU op.
+"""LOONGKIT_BEVFORMER's mmcv part: mmcv's MultiScaleDeformableAttention on the fused CPU op.
 
 mmcv 2.x has no CPU kernel for multi-scale deformable attention: on CPU,
 ``MultiScaleDeformableAttention.forward`` calls ``multi_scale_deformable_attn_pytorch`` (one
@@ -15,11 +15,9 @@ function by that name, and the function must have mmcv's signature; otherwise No
 from __future__ import annotations
 
 import inspect
-import sys
 from typing import Any
 
 from loongkit_core.context import ActivationContext, NotApplicable
-from loongkit_core.kit import FeatureImpl
 
 TARGET = "mmcv.ops.multi_scale_deform_attn"
 FUNCTION = "multi_scale_deformable_attn_pytorch"
@@ -53,35 +51,27 @@ def interface_problem(module: Any) -> str | None:
     return None
 
 
-def _kernel_ready(kernels: Any, record: Any) -> bool:
-    if kernels.load() is not None:
-        return True
-    reason = f"CPU kernel unavailable: {kernels.failure()}; upstream code kept"
-    if record.reason != reason:
-        record.reason = reason
-    return False
-
-
-def fused_dispatcher(original: Any, record: Any) -> Any:
+def fused_dispatcher(original: Any, ctx: ActivationContext) -> Any:
     """A drop-in for ``multi_scale_deformable_attn_pytorch``: float32/float64 CPU tensors go to
-    ``loongkit::ms_deform_attn`` (``record.calls`` counts them), anything else to ``original``."""
+    ``loongkit::ms_deform_attn`` (each call counted), anything else to ``original``."""
     import torch
 
-    from loongkit_ops import kernels
     from loongkit_ops.kernels.ops import msda
+    from loongkit_ops.patches import kernel
 
     fused_dtypes = (torch.float32, torch.float64)
+    count = ctx.count
 
     def multi_scale_deformable_attn_pytorch(value: Any, value_spatial_shapes: Any, sampling_locations: Any,
                                             attention_weights: Any) -> Any:
         # The kernel is built at the first eligible call, not at import: every mmdet program imports
         # this module; a failed build keeps upstream's code (the reason goes to the Summary).
         if (isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dtype in fused_dtypes
-                and value.dim() == 4 and sampling_locations.dim() == 6 and _kernel_ready(kernels, record)):
+                and value.dim() == 4 and sampling_locations.dim() == 6 and kernel.ready(ctx)):
             shapes = torch.as_tensor(value_spatial_shapes, dtype=torch.int64, device="cpu")
             areas = shapes[:, 0] * shapes[:, 1]
             starts = torch.cat([areas.new_zeros(1), areas.cumsum(0)[:-1]])
-            record.calls += 1
+            count()
             return msda.op(value, shapes, starts, sampling_locations.to(value.dtype), attention_weights.to(value.dtype))
         return original(value, value_spatial_shapes, sampling_locations, attention_weights)
 
@@ -103,14 +93,13 @@ def function_problem(fn: Any) -> str | None:
     return None
 
 
-class BevformerMSDA(FeatureImpl):
-    def activate(self, ctx: ActivationContext, target: str | None) -> None:
-        module = sys.modules[target or TARGET]
-        problem = interface_problem(module)
-        if problem:
-            raise NotApplicable(problem)
-        original = getattr(module, FUNCTION)
-        multi_scale_deformable_attn_pytorch = fused_dispatcher(original, ctx.record)
-        ctx.patcher.patch(module, FUNCTION, multi_scale_deformable_attn_pytorch)
-        ctx.set_config({"mmcv.MultiScaleDeformableAttention": "loongkit::ms_deform_attn (CPU)"})
-        ctx.log.info("mmcv MultiScaleDeformableAttention uses the fused CPU op", target=module.__name__)
+def patch_mmcv(ctx: ActivationContext, module: Any) -> None:
+    """Swap ``module.multi_scale_deformable_attn_pytorch`` (mmcv's) for :func:`fused_dispatcher`.
+
+    Raises NotApplicable when the module is not mmcv's multi_scale_deform_attn as expected.
+    """
+    problem = interface_problem(module)
+    if problem:
+        raise NotApplicable(problem)
+    ctx.patcher.patch(module, FUNCTION, fused_dispatcher(getattr(module, FUNCTION), ctx))
+    ctx.log.info("mmcv MultiScaleDeformableAttention uses the fused CPU op", target=module.__name__)

@@ -1,6 +1,7 @@
 """LOONGKIT_UNIAD: UniAD's BEVFormer-style encoder, motion deformable attention and CollisionLoss.
 
-Found like BEVFORMER's classes (:mod:`.bevformer`: registrations in mmcv 1.x / mmengine registries):
+Found like BEVFORMER's classes, with BEVFORMER's pieces (:class:`.model_classes.ModelClasses` over the
+mmcv 1.x / mmengine registries, and the patches of :mod:`.bevformer_sca` / :mod:`.bevformer_fused`):
 
 - ``SpatialCrossAttention``, ``MSDeformableAttention3D``, ``TemporalSelfAttention``: as LOONGKIT_BEVFORMER
   (UniAD's copy of SCA orders key/value batch-major; that is detected and reproduced). A class already
@@ -16,11 +17,13 @@ from __future__ import annotations
 
 import dis
 import inspect
-from collections.abc import Callable
 from typing import Any
 
 from loongkit_core.context import ActivationContext, NotApplicable
-from loongkit_ops.patches.bevformer import SPECS, Bevformer, Spec, forward_function
+from loongkit_core.kit import FeatureImpl
+from loongkit_ops.patches.bevformer import PATCHES
+from loongkit_ops.patches.bevformer_source import SPECS
+from loongkit_ops.patches.model_classes import ModelClasses, Spec, forward_function, mark
 from loongkit_ops.patches.msda import FUNCTION
 
 COLLISION_FORWARD = ("self", "sdc_traj_all", "sdc_planning_gt", "sdc_planning_gt_mask", "future_gt_bbox")
@@ -121,8 +124,10 @@ def collision_fused(module: Any, sdc_traj_all: Any, sdc_planning_gt: Any, future
     return inter_sum * module.weight
 
 
-def make_collision_forward(original: Any, record: Any, on_fallback: Callable[[str], None]) -> Any:
+def make_collision_forward(ctx: ActivationContext, original: Any) -> Any:
     import torch
+
+    count, fallback = ctx.count, ctx.fallback
 
     def forward(self: Any, sdc_traj_all: Any, sdc_planning_gt: Any, sdc_planning_gt_mask: Any,
                 future_gt_bbox: Any) -> Any:
@@ -134,27 +139,25 @@ def make_collision_forward(original: Any, record: Any, on_fallback: Callable[[st
         elif sdc_traj_all.dtype != torch.get_default_dtype():
             why = "trajectory dtype is not the default dtype (upstream's corner matmul mixes dtypes)"
         if why is not None:
-            on_fallback(why)
+            fallback(why)
             return original(self, sdc_traj_all, sdc_planning_gt, sdc_planning_gt_mask, future_gt_bbox)
-        record.calls += 1
+        count()
         return collision_fused(self, sdc_traj_all, sdc_planning_gt, future_gt_bbox)
 
-    forward.__doc__ = getattr(original, "__doc__", None)
-    forward.__loongkit_feature__ = record.feature.name  # type: ignore[attr-defined]
-    forward.__loongkit_original__ = original  # type: ignore[attr-defined]
-    return forward
+    return mark(forward, ctx, original)
 
 
-class UniAD(Bevformer):
-    specs = UNIAD_SPECS
+def patch_collision(ctx: ActivationContext, name: str, cls: type) -> str:
+    problem = collision_problem(cls)
+    if problem:
+        raise NotApplicable(problem)
+    ctx.patcher.patch(cls, "forward", make_collision_forward(ctx, cls.forward))  # type: ignore[attr-defined]
+    return "vectorised over (future step, GT box); ego box detached as upstream"
 
-    def patchers(self, ctx: ActivationContext) -> dict[str, Callable[[str, type, Spec], str]]:
-        return {**super().patchers(ctx), "collision": lambda n, c, s: self.patch_collision(ctx, c)}
 
-    def patch_collision(self, ctx: ActivationContext, cls: type) -> str:
-        problem = collision_problem(cls)
-        if problem:
-            raise NotApplicable(problem)
-        ctx.patcher.patch(cls, "forward", make_collision_forward(cls.forward, ctx.record,  # type: ignore[attr-defined]
-                                                                 self.classes(ctx).on_fallback))
-        return "vectorised over (future step, GT box); ego box detached as upstream"
+class UniAD(FeatureImpl):
+    """LOONGKIT_UNIAD: targets the mmcv 1.x and mmengine registry modules."""
+
+    def activate(self, ctx: ActivationContext, target: str | None) -> None:
+        assert target is not None
+        ModelClasses.of(ctx, self, UNIAD_SPECS, {**PATCHES, "collision": patch_collision}).watch(target)

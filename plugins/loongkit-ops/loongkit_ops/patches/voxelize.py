@@ -54,9 +54,8 @@ class Voxelization(FeatureImpl):
             raise NotApplicable(problem)
         import torch
 
-        from loongkit_ops import kernels
         from loongkit_ops.kernels.ops import voxelize
-        from loongkit_ops.patches.msda import _kernel_ready
+        from loongkit_ops.patches import kernel
 
         fn_cls = module._Voxelization
         original = fn_cls.forward
@@ -85,7 +84,7 @@ class Voxelization(FeatureImpl):
             eligible = eligible and (dynamic or (max_points >= 0 and max_voxels >= 0 and bool(deterministic)))
             grid = grid_args(voxel_size, coors_range) if eligible else None
             # The kernel is built here, at the first eligible call (not when mmcv is imported).
-            if grid is None or not _kernel_ready(kernels, record):
+            if grid is None or not kernel.ready(ctx):
                 return original(fctx, points, voxel_size, coors_range, max_points, max_voxels, deterministic)
             record.calls += 1
             if dynamic:
