@@ -26,12 +26,18 @@ def test_every_declared_option_is_a_field() -> None:
 
 
 @pytest.mark.parametrize("field", FIELDS)
-@pytest.mark.parametrize("bad", ["2", "maybe", "true!", ""])
+@pytest.mark.parametrize("bad", ["2", "maybe", "true!"])
 def test_bad_value_falls_back_to_default_with_warning(field: str, bad: str) -> None:
     var = PREFIX + field.upper()
     options, warnings = load_settings(NumaAffinityOptions, environ={var: bad})
     assert getattr(options, field) is False
     assert len(warnings) == 1 and var in warnings[0] and "using the default False" in warnings[0]
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_empty_value_is_unset(field: str) -> None:
+    options, warnings = load_settings(NumaAffinityOptions, environ={PREFIX + field.upper(): ""})
+    assert getattr(options, field) is False and warnings == []  # one rule for every variable
 
 
 @pytest.mark.parametrize("field", FIELDS)
