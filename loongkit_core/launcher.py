@@ -42,17 +42,21 @@ def plugin_environ(env: dict[str, str]) -> dict[str, str]:
     boot reports nothing: the command boots the same plugins and logs their faults (an ``impl`` typo) in
     its own log and Summary, once. What only the launcher sees, a launch-environment hook's fault and the
     variables set, is logged where the command's log records go (the same file: ``exec`` keeps the pid).
-    A fault leaves the command to run without that plugin's variables (``LOONGKIT_STRICT=1``: exit 3).
+    A fault leaves the command to run without that plugin's variables; under ``LOONGKIT_STRICT=1`` any
+    fault (boot or hook) is logged here and stops the launch (exit 3), as the command's boot would.
     """
     from loongkit_core import _boot
 
     if not _boot.requested(env):
         return env
     try:
-        from loongkit_core.runtime import Runtime
-
+        from loongkit_core.runtime import LoongkitStrictError, Runtime
+    except Exception as exc:  # a broken install: run the command as it is
+        sys.stderr.write(f"loongkit-run: launch environment skipped ({type(exc).__name__}: {exc})\n")
+        return env
+    try:
         rt = Runtime(env, arm=False)
-        rt.manager.on_fault = None  # collected, not logged: the command reports its own boot's faults
+        rt.log_faults = False  # recorded (the features' states hold), not logged: the command logs its own
         rt.boot(configure_logging=False)
         booted = len(rt.manager.faults)
         out = dict(env)
@@ -66,15 +70,15 @@ def plugin_environ(env: dict[str, str]) -> dict[str, str]:
                 elif key not in env:
                     out[key] = str(value)
                 chosen.append((key, out.get(key, ""), plugin))
+    except LoongkitStrictError as exc:
+        _log_launch(rt, [], rt.manager.faults[-1:])
+        raise LaunchStrictError(str(exc)) from None
     except Exception as exc:
         sys.stderr.write(f"loongkit-run: launch environment skipped ({type(exc).__name__}: {exc})\n")
         return env
     faults = rt.manager.faults[booted:]
     if chosen or faults:
         _log_launch(rt, chosen, faults)
-    if faults and rt.settings.strict:
-        fault = faults[0]
-        raise LaunchStrictError(f"loongkit plugin {fault.plugin!r} failed in {fault.where}: {fault.error}")
     return out
 
 

@@ -44,6 +44,7 @@ class Runtime:
         self.environ: Mapping[str, str] = os.environ if environ is None else environ
         self.settings, self.settings_warnings = load_settings(CoreSettings, environ=environ)
         self.warnings: list[str] = []  # every warning of the boot, in order (``loongkit-run --info`` shows them)
+        self.log_faults = True  # False: a probe (loongkit-run) whose command logs the same faults itself
         self.process = process or process_mod.detect()
         self.manager = PluginManager(on_fault=self._on_fault)
         self.records: dict[str, FeatureRecord] = {}
@@ -64,8 +65,9 @@ class Runtime:
 
     # -- faults --------------------------------------------------------------------------------
     def _on_fault(self, fault: Fault) -> None:
-        self.log.error("plugin fault", plugin=fault.plugin, where=fault.where, feature=fault.feature,
-                       error=fault.error, traceback=fault.traceback)
+        if self.log_faults:
+            self.log.error("plugin fault", plugin=fault.plugin, where=fault.where, feature=fault.feature,
+                           error=fault.error, traceback=fault.traceback)
         if fault.feature and fault.feature in self.records:
             record = self.records[fault.feature]
             record.state = State.FAILED

@@ -184,3 +184,19 @@ def test_help_lists_the_plugins_subcommands() -> None:
     assert r.returncode == 0, r.stderr
     for command in ("features", "doctor", "numa", "malloc-env"):
         assert command in r.stdout, r.stdout
+
+
+def test_launch_environment_hooks_see_a_failed_feature_as_failed(tmp_path: Path) -> None:
+    """The launcher's probe does not log boot faults, but still records them: a hook deciding on a
+    feature's state (e.g. an allocator preload) must not see a feature whose detect raised as armed."""
+    source = THIRD_PARTY + '''
+@plugin.launch_env
+def state(records, environ):
+    return {"TYPO_STATE": next(r.state.value for r in records if r.feature.name == "typo")}
+'''
+    site = install_fake_plugin(tmp_path / "site", "third_plugin", source, entry_point="third_plugin:plugin")
+    full = clean_environ()
+    full.update(PYTHONPATH=str(site), LOONGKIT_LOGDIR=str(tmp_path / "logs"), LOONGKIT_TYPO="1")
+    r = subprocess.run([LAUNCHER, sys.executable, "-c", "import os; print('state', os.environ['TYPO_STATE'])"],
+                       env=full, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "state failed" in r.stdout, (r.stdout, r.stderr)
