@@ -88,6 +88,7 @@ def test_worker_counts() -> None:
     assert space.worker_counts(2, 4, data_bound=True, saturated=False) == [4, 3, 1, 0]
     assert space.worker_counts(4, 16, data_bound=True, saturated=False) == [16, 15, 8, 2]
     assert space.worker_counts(8, 4, data_bound=True, saturated=False) == [16, 4, 3, 1]  # at most four
+    assert space.worker_counts(0, 1, data_bound=True, saturated=False) == [2, 1]  # one CPU per rank, loading waits
     # Saturated CPUs: fewer first.
     assert space.worker_counts(4, 4, data_bound=True, saturated=True) == [3, 2, 1, 0]
     # Not data-bound: nearest first, never above the CPUs.

@@ -84,3 +84,12 @@ def test_base_environ_drops_feature_switches_keeps_core_settings() -> None:
                                       ("LOONGKIT_SYSFS_ROOT",))
     assert env == {"PATH": "/bin", "LOONGKIT_SYSFS_ROOT": "/x"}
     assert dropped == ["LOONGKIT_ALL", "LOONGKIT_MALLOC"]
+
+
+def test_the_exception_not_the_summary_names_a_crash() -> None:
+    text = ("step 1 loss: 2.0\nTraceback (most recent call last):\n  File \"x.py\", line 3\n"
+            "RuntimeError: planted crash\n" + trial.SUMMARY_START + " ======\nmonitor  *\n"
+            "Training monitor: no steps seen (no optimizer step ran)\n" + "=" * 80 + "\n")
+    assert trial._last_line(text) == "RuntimeError: planted crash"
+    assert trial._last_line("warming up\nkilled\n") == "killed"
+    assert trial._last_line("") == ""

@@ -1,4 +1,4 @@
-"""``loongkit tune [--steps N] [--budget MINUTES] [--max-level L] -- <training command>``
+"""loongkit tune [--steps N] [--budget MINUTES] [--max-level L] -- <training command>
 
 Runs the training command for N steps (LOONGKIT_MONITOR_MAX_STEPS) under candidate LOONGKIT_*
 settings, each trial a fresh process under loongkit-run, and ranks them by the training monitor's
@@ -27,7 +27,7 @@ from loongkit_monitor.tune.facts import Facts
 from loongkit_monitor.tune.ranking import Tolerances
 from loongkit_monitor.tune.search import Outcome, Plan, Search
 
-DEFAULT_STEPS = 30
+DEFAULT_STEPS = 20  # a few warm-up steps plus enough warm ones for a median, at a bounded cost
 MIN_STEPS = 5  # the monitor drops the first steps as warm-up; fewer leave nothing to rank by
 # The core's own settings pass from the user's environment to every trial; feature switches and
 # options do not (the trials choose them).

@@ -118,7 +118,8 @@ def _trial_json(t: Any) -> dict[str, Any]:
             "step_median_s": f.step_median_s if f else None, "step_p90_s": f.step_p90_s if f else None,
             "data_wait_share": f.data_wait_share if f else None, "steps": f.steps if f else None,
             "warm_steps": f.warm_steps if f else None, "workers": f.workers if f else None,
-            "summary": t.summary_path or None}
+            "summary": t.summary_path or None,
+            "output_tail": t.output_tail[-2000:] if t.error else None}
 
 
 def _standing_json(s: Standing, outcome: Outcome) -> dict[str, Any]:

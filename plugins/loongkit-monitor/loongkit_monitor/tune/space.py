@@ -196,7 +196,10 @@ def worker_counts(current: int, per_rank_cpus: int, *, data_bound: bool, saturat
     values = {current // 2, current * 2, cpus - 1, cpus}
     if cpus <= 4:
         values |= {0, 1}
-    limit = max(cpus, current * 2) if data_bound and not saturated else cpus
+    io_bound = data_bound and not saturated
+    if io_bound:
+        values.add(max(2, current * 2))  # waiting workers overlap even on one CPU
+    limit = max(cpus, current * 2, 2) if io_bound else cpus
     chosen = sorted(v for v in values if 0 <= v <= limit and v != current)
     if data_bound and not saturated:
         chosen.sort(key=lambda v: (v < current, -v))  # more workers first, then the nearest fewer

@@ -80,14 +80,19 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-")[:60] or "trial"
 
 
+SUMMARY_START = "=" * 28 + " Loongkit Feature Summary"
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)\b(:.*)?$")
+
+
 def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    # The exception message, not loongkit's Summary that follows it.
+    """The exception that ended the job (the last ``SomeError: message`` line before loongkit's
+    Summary, which follows it), else the job's last line of output."""
+    cut = text.find(SUMMARY_START)
+    lines = [line.strip() for line in (text if cut < 0 else text[:cut]).splitlines() if line.strip()]
     for line in reversed(lines):
-        if line.startswith(("=", "-", "|", "Log:")) or "Feature Summary" in line:
-            continue
-        return line[:200]
-    return ""
+        if EXCEPTION_LINE.match(line):
+            return line[:200]
+    return lines[-1][:200] if lines else ""
 
 
 def _describe_exit(code: int) -> str:
@@ -137,6 +142,11 @@ def run(setup: Setup, candidate: Candidate, index: int, attempt: int, timeout: f
     _kill_group(proc.pid, signal.SIGKILL)  # what the job left running (orphaned workers, ranks)
     reader.join(timeout=KILL_GRACE_S)
     output = "".join(chunks)
+    log_path = summary_path.with_suffix(".log")
+    try:  # the whole output, for the user to read why a trial failed
+        log_path.write_text(output)
+    except OSError:
+        pass
     losses = parse_metrics(output)["loss"]
     figures, _summary, why = figures_mod.read(summary_path)
     result = TrialResult(candidate.key, attempt, proc.returncode, wall, figures, losses,
