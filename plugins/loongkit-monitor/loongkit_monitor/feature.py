@@ -208,9 +208,11 @@ class Monitor:
         line = (f"[loongkit monitor] step {rec.steps} | {analysis.ms(median)} per step (median of the last "
                 f"{steps}) | data wait {analysis.pct(share)} | {steps / max(1e-9, sum(walls)):.1f} steps/s | "
                 f"RSS {analysis.mib(rss)}")
-        self.ctx.log.info("monitor progress", step=rec.steps, step_median_ms=round(median * 1000, 3),
-                          data_wait_share=round(share, 4), rss=rss)
-        if getattr(self.process, "role", "main") == "main" and getattr(self.process, "local_rank", None) in (None, 0):
+        from loongkit_core import log
+
+        log.write_block(line)  # the log, whatever its level: the user asked for these lines
+        to_stdout = _log_kind() != "stdout"  # else write_block already printed it
+        if to_stdout and _role(self.process) == "main" and getattr(self.process, "local_rank", None) in (None, 0):
             try:
                 print(line, flush=True)
             except (OSError, ValueError):
@@ -362,10 +364,12 @@ class MonitorFeature(FeatureImpl):
 
         def __iter__(self: Any) -> Any:
             t0 = clock()
+            iterator = None
             try:
-                return original_iter(self)
+                iterator = original_iter(self)
+                return iterator
             finally:
-                rec.iterated(self, clock() - t0)
+                rec.iterated(self, clock() - t0, iterator)
 
         ctx.patcher.patch(base, "__next__", functools.wraps(original_next)(__next__))
         ctx.patcher.patch(loader, "__iter__", functools.wraps(original_iter)(__iter__))
@@ -477,6 +481,17 @@ def _process() -> Any:
     from loongkit_core import process
 
     return process.detect()
+
+
+def _log_kind() -> str | None:
+    try:
+        from loongkit_core import runtime
+
+        current = runtime.current()
+        destination = getattr(current, "destination", None)
+        return getattr(destination, "kind", None)
+    except Exception:
+        return None
 
 
 def _role(process: Any) -> str:

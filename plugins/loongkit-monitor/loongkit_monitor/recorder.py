@@ -24,7 +24,7 @@ MAX_KEPT = 1 << 20  # per-step figures kept (8 bytes each, three arrays); later 
 
 @dataclass
 class LoaderStats:
-    """One DataLoader iterator as the main process saw it."""
+    """One DataLoader (all its iterators, one per epoch unless persistent) as the main process saw it."""
 
     num_workers: int
     persistent: bool
@@ -44,13 +44,9 @@ def loader_stats(iterator: Any) -> LoaderStats:
     workers = int(getattr(iterator, "_num_workers", 0) or 0)
     context = ""
     if workers:
-        ctx = getattr(iterator, "_multiprocessing_context", None)
-        name = getattr(ctx, "get_start_method", None)
-        if callable(name):
-            try:
-                context = str(name())
-            except Exception:
-                context = ""
+        # the iterator keeps its worker processes, not the context: a SpawnProcess says "spawn"
+        processes = getattr(iterator, "_workers", None) or []
+        context = str(getattr(processes[0], "_start_method", None) or "") if processes else ""
         if not context:
             import multiprocessing
 
@@ -76,7 +72,8 @@ class StepRecorder:
         self.total_paused_s = 0.0
         self.untimed_wait_s = 0.0  # data wait outside steps (paused, or after the last boundary)
         self.loaders: dict[int, LoaderStats] = {}
-        self._last_iter: Any = None
+        self._loader_of: dict[int, int] = {}  # id(iterator) -> id(its DataLoader), from DataLoader.__iter__
+        self._last_id = 0  # id of the last iterator seen (never a reference: it must die with the job's loop)
         self._last_stats: LoaderStats | None = None
         self._iter_s = 0.0  # the last DataLoader.__iter__'s seconds, until the first batch it leads to
 
@@ -110,14 +107,15 @@ class StepRecorder:
     # -- inside a step -------------------------------------------------------------------------
     def waited(self, iterator: Any, t0: float, t1: float, first: bool) -> None:
         """The main process spent ``t0..t1`` in ``iterator.__next__`` (``first``: its first batch)."""
-        if iterator is self._last_iter:
+        ident = id(iterator)
+        if ident == self._last_id:
             stats = self._last_stats
         else:
-            key = id(iterator)
+            key = self._loader_of.get(ident, ident)  # a loader's epochs share one entry
             stats = self.loaders.get(key)
             if stats is None:
                 stats = self.loaders[key] = loader_stats(iterator)
-            self._last_iter, self._last_stats = iterator, stats
+            self._last_id, self._last_stats = ident, stats
         seconds = t1 - t0
         assert stats is not None
         stats.batches += 1
@@ -134,9 +132,15 @@ class StepRecorder:
             self.last = t0  # the job's first fetch starts its first step
         self.wait += seconds
 
-    def iterated(self, loader: Any, seconds: float) -> None:
-        """``DataLoader.__iter__`` took ``seconds`` (workers started, or a persistent iterator reset)."""
+    def iterated(self, loader: Any, seconds: float, iterator: Any = None) -> None:
+        """``DataLoader.__iter__`` took ``seconds`` (workers started, or a persistent iterator reset)
+        and returned ``iterator``."""
         self._iter_s += seconds
+        if iterator is not None:
+            if len(self._loader_of) > 4096:  # ids of iterators long gone
+                self._loader_of.clear()
+            self._loader_of[id(iterator)] = id(loader)
+        self._last_id = 0  # a new iterator may reuse a dead one's id
         if self.paused_at is not None:
             self.untimed_wait_s += seconds
             return
@@ -166,7 +170,7 @@ class StepRecorder:
         return len(self.walls)
 
     def main_loader(self) -> LoaderStats | None:
-        """The iterator that delivered the most batches: the training loader."""
+        """The loader that delivered the most batches: the training loader."""
         if not self.loaders:
             return None
         return max(self.loaders.values(), key=lambda s: s.batches)

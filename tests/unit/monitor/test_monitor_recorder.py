@@ -20,12 +20,18 @@ class Clock:
         return self.now
 
 
-def iterator(workers: int = 0, persistent: bool = False, yielded: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(_num_workers=workers, _persistent_workers=persistent, _num_yielded=yielded,
-                           _multiprocessing_context=None)
+class FakeIter:
+    """What the recorder reads of a ``_BaseDataLoaderIter`` (weak-referenceable, like the real one)."""
+
+    def __init__(self, workers: int, persistent: bool, yielded: int) -> None:
+        self._num_workers, self._persistent_workers, self._num_yielded = workers, persistent, yielded
 
 
-def fetch(rec: StepRecorder, clock: Clock, it: SimpleNamespace, seconds: float) -> None:
+def iterator(workers: int = 0, persistent: bool = False, yielded: int = 0) -> FakeIter:
+    return FakeIter(workers, persistent, yielded)
+
+
+def fetch(rec: StepRecorder, clock: Clock, it: FakeIter, seconds: float) -> None:
     t0 = clock()
     first = it._num_yielded == 0
     t1 = clock.advance(seconds)
@@ -115,7 +121,7 @@ def test_iterator_creation_is_data_wait_and_an_epoch_start() -> None:
 
 def test_loader_stats_reads_the_iterator_defensively() -> None:
     stats = loader_stats(SimpleNamespace(_num_workers=3, _persistent_workers=True,
-                                         _multiprocessing_context=SimpleNamespace(get_start_method=lambda: "spawn")))
+                                         _workers=[SimpleNamespace(_start_method="spawn")]))
     assert (stats.num_workers, stats.persistent, stats.context) == (3, True, "spawn")
     bare = loader_stats(object())
     assert (bare.num_workers, bare.persistent, bare.context) == (0, False, "")
@@ -130,3 +136,26 @@ def test_the_training_loader_is_the_one_with_most_batches() -> None:
     fetch(rec, clock, val, 0.01)
     main = rec.main_loader()
     assert main is not None and main.num_workers == 4 and main.batches == 5
+
+
+def test_a_loaders_epochs_share_one_entry_and_no_iterator_is_kept_alive() -> None:
+    import gc
+    import weakref
+
+    clock = Clock()
+    rec = StepRecorder(clock)
+    loader = object()
+    refs = []
+    for _ in range(3):
+        it = iterator(workers=2)
+        rec.iterated(loader, 0.2, it)
+        for _ in range(2):
+            fetch(rec, clock, it, 0.01)
+            rec.step()
+        refs.append(weakref.ref(it))
+        del it
+    gc.collect()
+    assert all(r() is None for r in refs)  # the job's iterators (and their workers) die when the job drops them
+    stats = rec.main_loader()
+    assert stats is not None and stats.epochs == 3 and stats.batches == 6
+    assert stats.iter_s == pytest.approx(0.6)

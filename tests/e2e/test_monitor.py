@@ -1,0 +1,248 @@
+"""LOONGKIT_MONITOR against ground truth: synthetic jobs with planted data and compute time, timed by
+the job itself (its own perf_counter around each fetch and step, its workers' own process_time),
+under loongkit-run in a fresh interpreter. The monitor's figures must match the job's own within 5 %.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loongkit_core.testing import RunResult
+
+pytest.importorskip("torch")
+
+JOB = r'''
+import json, sys, time
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+def busy(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+class Planted(Dataset):
+    """Each item costs `fetch` seconds (a sleep, or a busy loop with cpu=true)."""
+
+    def __init__(self, n, fetch, cpu):
+        self.n, self.fetch, self.cpu = n, fetch, cpu
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        (busy if self.cpu else time.sleep)(self.fetch)
+        info = torch.utils.data.get_worker_info()
+        # the worker's own clocks, the independent measurement of its CPU use
+        return torch.tensor([float(i), time.process_time(), float(info.id if info else -1), time.time()],
+                            dtype=torch.float64)
+
+
+def main():
+    cfg = {"steps": 30, "batch": 2, "fetch": 0.02, "compute": 0.03, "workers": 0, "context": None,
+           "persistent": False, "epochs": 1, "cpu": False, "optimizer": True}
+    cfg.update(json.loads(sys.argv[1]))
+    model = torch.nn.Linear(4, 1).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    per_epoch = cfg["steps"] // cfg["epochs"]
+    loader = DataLoader(Planted(per_epoch * cfg["batch"], cfg["fetch"], cfg["cpu"]), batch_size=cfg["batch"],
+                        num_workers=cfg["workers"], multiprocessing_context=cfg["context"] if cfg["workers"] else None,
+                        persistent_workers=cfg["persistent"] and cfg["workers"] > 0)
+    truth = []  # per step: wall, data wait, main process_time, wall clock, the batch's worker clocks
+    pending = 0.0
+    last = time.perf_counter()
+    for _ in range(cfg["epochs"]):
+        t0 = time.perf_counter()
+        it = iter(loader)
+        pending += time.perf_counter() - t0
+        while True:
+            t0 = time.perf_counter()
+            try:
+                x = next(it)
+            except StopIteration:
+                pending += time.perf_counter() - t0
+                break
+            t1 = time.perf_counter()
+            (busy if cfg["cpu"] else time.sleep)(cfg["compute"])
+            loss = model(x).sum()
+            opt.zero_grad()
+            loss.backward()
+            if cfg["optimizer"]:
+                opt.step()
+            t2 = time.perf_counter()
+            truth.append([t2 - last, pending + t1 - t0, time.process_time(), time.time(), x[:, 1:].tolist()])
+            pending = 0.0
+            last = t2
+    print("TRUTH " + json.dumps(truth), flush=True)
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def run_job(run_loongkit: Any, tmp_path: Path, config: dict[str, Any], env: dict[str, str] | None = None,
+            ) -> tuple[RunResult, list[Any] | None]:
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    import sys
+
+    r = run_loongkit(argv=[sys.executable, str(script), json.dumps(config)],
+                     env={"LOONGKIT_MONITOR": "1", "OMP_NUM_THREADS": "1", **(env or {})}, timeout=300)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("TRUTH ")]
+    return r, (json.loads(lines[0][6:]) if lines else None)
+
+
+def monitor(r: RunResult) -> dict[str, Any]:
+    row = r.feature("monitor")
+    assert row["active"], row
+    return row["details"]["monitor"]
+
+
+def truth_figures(truth: list[Any]) -> dict[str, float]:
+    """The job's own figures over the same warm steps as the monitor's."""
+    from loongkit_monitor.analysis import warm_count
+
+    warm = truth[warm_count(len(truth)):]
+    walls = [t[0] for t in warm]
+    waits = [t[1] for t in warm]
+    return {"median": statistics.median(walls), "share": sum(waits) / sum(walls)}
+
+
+def worker_cpu_truth(truth: list[Any]) -> float:
+    """CPUs the workers kept busy, from the process_time each worker stamped on its items."""
+    from loongkit_monitor.analysis import warm_count
+
+    per: dict[float, list[tuple[float, float]]] = {}
+    for step in truth[warm_count(len(truth)):]:
+        for cpu, worker, wall in step[4]:
+            per.setdefault(worker, []).append((wall, cpu))
+    rates = []
+    for points in per.values():
+        points.sort()
+        if len(points) > 1 and points[-1][0] > points[0][0]:
+            rates.append((points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0]))
+    return sum(rates)
+
+
+def assert_matches(d: dict[str, Any], truth: list[Any]) -> dict[str, float]:
+    t = truth_figures(truth)
+    assert d["steps"] == len(truth)
+    assert d["step_median_s"] == pytest.approx(t["median"], rel=0.05)
+    assert d["data_wait_share"] == pytest.approx(t["share"], rel=0.05)
+    return t
+
+
+def test_data_bound_without_workers_matches_the_job_and_recommends_workers(run_loongkit: Any, tmp_path: Path) -> None:
+    r, truth = run_job(run_loongkit, tmp_path, {"workers": 0, "fetch": 0.02, "compute": 0.03})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert truth is not None
+    d = monitor(r)
+    t = assert_matches(d, truth)
+    assert t["share"] > 0.4  # the plant: 40 ms of data per 70 ms step
+    assert d["workers"] == 0 and d["source"] == "optimizer SGD.step"
+    recs = d["recommendations"]
+    assert recs and recs[0]["setting"].startswith("DataLoader(num_workers=")
+    share_text = f"data wait {d['data_wait_share'] * 100:.0f} % of the step with num_workers=0"
+    assert recs[0]["evidence"].startswith(share_text)
+    assert "Training monitor (rank 0; steps = optimizer SGD.step)" in r.stdout
+    assert f"    * {recs[0]['setting']}: {recs[0]['evidence']}" in r.stdout
+
+
+def test_compute_bound_has_no_data_recommendation(run_loongkit: Any, tmp_path: Path) -> None:
+    from loongkit_monitor.analysis import DATA_BOUND
+
+    r, truth = run_job(run_loongkit, tmp_path, {"workers": 0, "fetch": 0.0, "compute": 0.2, "steps": 15})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert truth is not None
+    d = monitor(r)
+    t = assert_matches(d, truth)
+    assert t["share"] < DATA_BOUND / 2  # the plant: no data time (collating still costs a little)
+    assert not [x for x in d["recommendations"] if "data wait" in x["evidence"]]
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_workers_fork_and_spawn(run_loongkit: Any, tmp_path: Path, context: str) -> None:
+    # 2 workers, 60 ms of CPU per batch each (30 ms per batch together) against 15 ms of compute
+    r, truth = run_job(run_loongkit, tmp_path, {"workers": 2, "context": context, "fetch": 0.03, "cpu": True,
+                                                "compute": 0.015, "steps": 40})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert truth is not None
+    d = monitor(r)
+    assert_matches(d, truth)
+    assert d["workers"] == 2 and d["worker_processes"] == 2 and d["loader"]["context"] == context
+    used = d["worker_cpu_used"]
+    assert used is not None
+    # the workers' own process_time over the same part of the run (the windows differ slightly)
+    assert used == pytest.approx(worker_cpu_truth(truth), rel=0.25, abs=0.05)
+    assert d["worker_rss_bytes"] > 50 << 20  # a torch process
+    assert "DataLoader: 2 workers (" + context + ", not persistent)" in r.stdout
+
+
+def test_persistent_workers_over_epochs(run_loongkit: Any, tmp_path: Path) -> None:
+    r, truth = run_job(run_loongkit, tmp_path, {"workers": 2, "persistent": True, "epochs": 3, "fetch": 0.02,
+                                                "compute": 0.01, "steps": 30})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert truth is not None
+    d = monitor(r)
+    assert_matches(d, truth)
+    assert d["loader"]["persistent"] is True and d["loader"]["epochs"] == 3
+    assert d["worker_processes"] == 2  # the same two processes served every epoch
+    assert "DataLoader(persistent_workers=True)" not in [x["setting"] for x in d["recommendations"]]
+
+
+def test_spawn_workers_restarted_every_epoch_recommend_persistent_workers(run_loongkit: Any, tmp_path: Path) -> None:
+    r, truth = run_job(run_loongkit, tmp_path, {"workers": 1, "context": "spawn", "epochs": 3, "fetch": 0.005,
+                                                "compute": 0.02, "steps": 30})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert truth is not None
+    d = monitor(r)
+    assert_matches(d, truth)
+    assert d["worker_processes"] == 3 and d["loader"]["epochs"] == 3
+    rec = next(x for x in d["recommendations"] if x["setting"] == "DataLoader(persistent_workers=True)")
+    per_epoch = d["loader"]["epoch_start_wait_s"] / 3
+    assert f"1 workers start again at each of 3 epochs: {per_epoch:.2f} s per epoch start" in rec["evidence"]
+
+
+def test_no_optimizer_no_steps_no_crash(run_loongkit: Any, tmp_path: Path) -> None:
+    r, truth = run_job(run_loongkit, tmp_path, {"optimizer": False, "steps": 5, "fetch": 0.0, "compute": 0.0})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert truth is not None and len(truth) == 5
+    row = r.feature("monitor")
+    assert not row["active"] and row["reason"].startswith("no steps seen")
+    assert row["details"]["monitor"]["steps"] == 0
+    assert "Training monitor: no steps seen" in r.stdout
+
+
+def test_max_steps_stops_cleanly_with_the_summary(run_loongkit: Any, tmp_path: Path) -> None:
+    r, truth = run_job(run_loongkit, tmp_path, {"steps": 40, "fetch": 0.0, "compute": 0.005},
+                       {"LOONGKIT_MONITOR_MAX_STEPS": "6"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert truth is None  # the job's own end never came
+    d = monitor(r)
+    assert d["steps"] == 6 and d["stopped_at_max_steps"] is True
+    assert "Traceback" not in r.stderr
+    assert r.summaries_printed == 1 and "stopped at LOONGKIT_MONITOR_MAX_STEPS" in r.stdout
+
+
+def test_progress_lines_and_bad_option_values(run_loongkit: Any, tmp_path: Path) -> None:
+    r, truth = run_job(run_loongkit, tmp_path, {"steps": 20, "fetch": 0.005, "compute": 0.02},
+                       {"LOONGKIT_MONITOR_INTERVAL": "0.1", "LOONGKIT_MONITOR_MAX_STEPS": "-3"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert truth is not None and len(truth) == 20  # MAX_STEPS=-3 fell back to 0: never stop
+    assert "LOONGKIT_MONITOR_MAX_STEPS='-3' is invalid" in r.logs()
+    progress = [line for line in r.stdout.splitlines() if line.startswith("[loongkit monitor] step ")]
+    assert len(progress) >= 2
+    assert "[loongkit monitor] step " in r.logs()  # the log has them too, whatever its level
+    r2, _ = run_job(run_loongkit, tmp_path, {"steps": 3, "fetch": 0.0, "compute": 0.0},
+                    {"LOONGKIT_MONITOR_INTERVAL": "soon"})
+    assert r2.returncode == 0 and "LOONGKIT_MONITOR_INTERVAL='soon' is invalid" in r2.logs()
+    assert r2.feature("monitor")["config"] == {"interval": 0.0, "max_steps": 0}
+    assert "[loongkit monitor]" not in r2.stdout
