@@ -36,7 +36,8 @@ CORE_VARIABLES = (
     "LOONGKIT_SYSFS_ROOT",
     "LOONGKIT_ACTIVATION_TIMEOUT",
     "LOONGKIT_DISABLE_PLUGINS",
-    "LOONGKIT_KERNEL_CACHE",  # where plugins cache compiled kernels (read by the plugins themselves)
+    "LOONGKIT_KERNEL_CACHE",  # where plugins cache compiled kernels (read by loongkit_core.kernels)
+    "LOONGKIT_KERNEL_ISA",  # a lower instruction set for the compiled kernels (read by loongkit_core.kernels)
 )
 
 

@@ -1,14 +1,13 @@
-"""loongkit::dice_stats vs its fp64 reference, opcheck/gradcheck, and the kernel build loader's failures."""
+"""loongkit::dice_stats vs its fp64 reference, opcheck/gradcheck, and the reference path without a kernel
+(the loader itself: tests/unit/test_kernels.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from loongkit_ops import kernels
-from loongkit_ops.kernels import build
 from loongkit_ops.kernels.ops import dice_stats
 
 SEED = int(torch.seed() % 2**31)
@@ -76,63 +75,3 @@ def test_reference_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     y = logits.clone().requires_grad_()
     dice_stats.reference(y, target, 2, 1, False).sum().backward()
     torch.testing.assert_close(x.grad, y.grad)
-
-
-# ------------------------------------------------------------------------------------------------
-# build.Extension: failures are reasons, never exceptions
-
-
-@pytest.fixture
-def extension(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> build.Extension:
-    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "cache"))
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "a.cpp").write_text("// nothing\n")
-    return build.Extension("loongkit_test_ext", src, ("a.cpp",))
-
-
-def test_no_compiler(monkeypatch: pytest.MonkeyPatch, extension: build.Extension) -> None:
-    monkeypatch.setenv("CXX", "/nonexistent/c++")
-    assert extension.load() is None
-    assert "no C++ compiler" in (extension.failure() or "")
-
-
-def test_build_error_is_a_reason(monkeypatch: pytest.MonkeyPatch, extension: build.Extension) -> None:
-    calls = []
-
-    def broken(directory: Path) -> Any:
-        calls.append(directory)
-        raise RuntimeError("Error building extension 'x'\na.cpp:1: error: boom")
-
-    monkeypatch.setattr(build, "compiler", lambda: "/usr/bin/true")
-    monkeypatch.setattr(extension, "_build", broken)
-    assert extension.load() is None
-    assert extension.failure() == "RuntimeError: Error building extension 'x'"
-    assert extension.load() is None and len(calls) == 1  # tried once per process
-    extension.reset()
-    assert extension.failure() is None
-
-
-def test_cache_key_changes_with_sources(extension: build.Extension) -> None:
-    k1 = extension.build_key("2.13.0", None)
-    (extension.directory / "a.cpp").write_text("// changed\n")
-    assert extension.build_key("2.13.0", None) != k1
-    assert extension.build_key("2.14.0", None) != extension.build_key("2.13.0", None)
-
-
-def test_unwritable_cache(monkeypatch: pytest.MonkeyPatch, extension: build.Extension, tmp_path: Path) -> None:
-    blocker = tmp_path / "file"
-    blocker.write_text("not a directory")
-    monkeypatch.setenv(build.CACHE_ENV, str(blocker / "kernels"))
-    monkeypatch.setattr(build, "compiler", lambda: "/usr/bin/true")
-    assert extension.load() is None
-    assert (extension.failure() or "").startswith(("NotADirectoryError", "FileExistsError", "OSError"))
-
-
-def test_wrong_abi_is_refused(monkeypatch: pytest.MonkeyPatch, extension: build.Extension) -> None:
-    import types
-
-    monkeypatch.setattr(build, "compiler", lambda: "/usr/bin/true")
-    monkeypatch.setattr(extension, "_build", lambda directory: types.SimpleNamespace(ABI=99))
-    assert extension.load() is None
-    assert "ABI 99" in (extension.failure() or "")

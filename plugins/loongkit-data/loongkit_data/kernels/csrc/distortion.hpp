@@ -15,17 +15,9 @@
 // only fused operations are the std::fma calls below.
 #pragma once
 
-#include <pybind11/pybind11.h>
-
-#include <cfloat>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <stdexcept>
-
 #include "simd.hpp"
 
-namespace loongkit {
+namespace loongkit::LK_ISA {
 
 struct DistortParams {
     float delta;      // brightness (0 when off)
@@ -408,6 +400,4 @@ static inline bool float_row_plain(const float* src, std::ptrdiff_t n) {
     return ok;
 }
 
-void register_distortion(pybind11::module_& m);
-
-}  // namespace loongkit
+}  // namespace loongkit::LK_ISA

@@ -5,13 +5,9 @@
 // Built with -ffp-contract=off: a fused multiply-add anywhere would change the last bit.
 #pragma once
 
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-
 #include "simd.hpp"
 
-namespace loongkit {
+namespace loongkit::LK_ISA {
 
 struct NormParams {
     float mean[3];     // saturate_cast<float>(double mean): what cv2.subtract uses for a float32 image
@@ -299,4 +295,4 @@ static inline void normalize_row_fast(const T* src, float* dst, std::ptrdiff_t w
     scalar(i1, width);
 }
 
-}  // namespace loongkit
+}  // namespace loongkit::LK_ISA

@@ -1,60 +1,61 @@
-// Python bindings of the loongkit-data CPU kernels.
+// Entry points of the loongkit-data CPU kernels (listed for Python in functions.h), compiled once per
+// instruction set into loongkit::<isa> by isa_<isa>.cpp.
 //
-// Interface: plain pybind11 over the buffer protocol (numpy arrays in, numpy arrays out). mmcv and
-// mmdet hand numpy HWC images around, so the kernels take any strided numpy view directly (crops and
+// Interface: lk::View arrays (loongkit/kernel.h) handed over by loongkit_core.kernels. mmcv and mmdet
+// hand numpy HWC images around, so the kernels take any strided numpy view directly (crops and
 // flipped views included, which torch.from_numpy refuses for negative strides), the Python side
 // allocates the output with numpy (same type and flags as upstream's result) and no tensor wrapping
-// happens per call. The GIL is released while pixels are processed.
-#include <pybind11/pybind11.h>
-
-#include <cstdint>
-#include <stdexcept>
-#include <string>
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
+// happens per call. The GIL is released while pixels are processed (ctypes does).
 #include "distortion.hpp"
 #include "imnormalize.hpp"
 
-namespace py = pybind11;
-using loongkit::NormParams;
-
+namespace loongkit::LK_ISA {
 namespace {
+
+using lk::View;
 
 enum class Dtype { U8, F32 };
 
-Dtype dtype_of(const py::buffer_info& b) {
-    if (b.itemsize == 1 && (b.format == "B")) return Dtype::U8;
-    if (b.itemsize == 4 && (b.format == "f")) return Dtype::F32;
-    throw std::invalid_argument("unsupported dtype '" + b.format + "'");
+Dtype dtype_of(const View& b) {
+    if (b.scalar_type() == lk::kByte) return Dtype::U8;
+    if (b.scalar_type() == lk::kFloat) return Dtype::F32;
+    throw lk::Error(std::string("unsupported dtype '") + lk::dtype_name(b.scalar_type()) + "'");
 }
 
-void check_hwc3(const py::buffer_info& b, const char* what) {
-    if (b.ndim != 3 || b.shape[2] != 3) throw std::invalid_argument(std::string(what) + " must be HxWx3");
+void check_hwc3(const View& b, const char* what) {
+    LK_CHECK(b.dim() == 3 && b.size(2) == 3, what, " must be HxWx3");
 }
 
-bool pixel_contiguous(const py::buffer_info& b) {
-    return b.strides[2] == b.itemsize && b.strides[1] == 3 * b.itemsize;
+bool pixel_contiguous(const View& b) {
+    return b.byte_stride(2) == b.element_size() && b.byte_stride(1) == 3 * b.element_size();
 }
 
-float* out_f32(const py::buffer_info& d, const py::buffer_info& s) {
+float* out_f32(const View& d, const View& s) {
     check_hwc3(d, "dst");
-    if (d.format != "f" || d.itemsize != 4 || d.readonly) throw std::invalid_argument("dst must be writable float32");
-    if (d.shape[0] != s.shape[0] || d.shape[1] != s.shape[1]) throw std::invalid_argument("dst shape differs");
-    if (d.strides[2] != 4 || d.strides[1] != 12 || d.strides[0] != 12 * d.shape[1])
-        throw std::invalid_argument("dst must be C-contiguous");
-    return static_cast<float*>(d.ptr);
+    LK_CHECK(d.scalar_type() == lk::kFloat && d.writable(), "dst must be writable float32");
+    LK_CHECK(d.size(0) == s.size(0) && d.size(1) == s.size(1), "dst shape differs");
+    LK_CHECK(d.byte_stride(2) == 4 && d.byte_stride(1) == 12 && d.byte_stride(0) == 12 * d.size(1),
+             "dst must be C-contiguous");
+    return static_cast<float*>(d.data_ptr());
+}
+
+NormParams norm_params(const std::vector<double>& mean, const std::vector<double>& stdinv) {
+    LK_CHECK(mean.size() == 3 && stdinv.size() == 3, "mean and stdinv take 3 values");
+    NormParams p{};
+    for (int c = 0; c < 3; ++c) {
+        p.mean[c] = static_cast<float>(mean[c]);  // float32 values already (Python rounds them)
+        p.stdinv[c] = stdinv[c];
+    }
+    return p;
 }
 
 // Rows are independent; threads only when the caller asks for more than one (OpenCV's own thread
 // count, as upstream would use). A data worker runs single-threaded and never enters OpenMP.
 template <typename F>
-void for_rows(std::ptrdiff_t rows, int threads, F&& body) {
+void for_rows(std::ptrdiff_t rows, int64_t threads, F&& body) {
 #ifdef _OPENMP
     if (threads > 1 && rows > 1) {
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(static_cast<int>(threads)) schedule(static)
         for (std::ptrdiff_t y = 0; y < rows; ++y) body(y);
         return;
     }
@@ -63,59 +64,50 @@ void for_rows(std::ptrdiff_t rows, int threads, F&& body) {
     for (std::ptrdiff_t y = 0; y < rows; ++y) body(y);
 }
 
+}  // namespace
+
 // imnormalize(src, dst, mean_f32[3], stdinv_f64[3], to_rgb, threads); src may be dst (imnormalize_).
-void imnormalize(py::buffer src, py::buffer dst, py::tuple mean, py::tuple stdinv, bool to_rgb, int threads) {
-    py::buffer_info s = src.request();
-    py::buffer_info d = dst.request(true);
+void imnormalize(const View& s, const View& d, const std::vector<double>& mean, const std::vector<double>& stdinv,
+                 bool to_rgb, int64_t threads) {
     check_hwc3(s, "src");
     const Dtype dt = dtype_of(s);
     float* out = out_f32(d, s);
-    NormParams p{};
-    for (int c = 0; c < 3; ++c) {
-        p.mean[c] = mean[c].cast<float>();
-        p.stdinv[c] = stdinv[c].cast<double>();
-    }
-    const std::ptrdiff_t h = s.shape[0], w = s.shape[1];
-    const auto* base = static_cast<const char*>(s.ptr);
-    const std::ptrdiff_t sy = s.strides[0], sx = s.strides[1], sc = s.strides[2];
-    const bool inplace = s.ptr == d.ptr;
-    if (inplace && (dt != Dtype::F32 || !pixel_contiguous(s) || sy != 12 * w))
-        throw std::invalid_argument("in-place normalize needs a C-contiguous float32 image");
+    const NormParams p = norm_params(mean, stdinv);
+    const std::ptrdiff_t h = s.size(0), w = s.size(1);
+    const auto* base = static_cast<const char*>(s.data_ptr());
+    const std::ptrdiff_t sy = s.byte_stride(0), sx = s.byte_stride(1), sc = s.byte_stride(2);
+    const bool inplace = s.data_ptr() == d.data_ptr();
+    LK_CHECK(!inplace || (dt == Dtype::F32 && pixel_contiguous(s) && sy == 12 * w),
+             "in-place normalize needs a C-contiguous float32 image");
     const bool fast = pixel_contiguous(s);
-    loongkit::NormVec n = loongkit::norm_vec(p);
+    NormVec n = norm_vec(p);
 #ifdef LOONGKIT_AVX2
-    n.split = fast && dt == Dtype::U8 && loongkit::norm_split_exact(n);  // ~1 us, per call: params vary
+    n.split = fast && dt == Dtype::U8 && norm_split_exact(n);  // ~1 us, per call: params vary
 #endif
-    py::gil_scoped_release nogil;
     for_rows(h, threads, [&](std::ptrdiff_t y) {
         const char* row = base + y * sy;
         float* o = out + y * w * 3;
         if (fast && dt == Dtype::U8) {
             const auto* r = reinterpret_cast<const std::uint8_t*>(row);
-            to_rgb ? loongkit::normalize_row_fast<std::uint8_t, true>(r, o, w, p, n)
-                   : loongkit::normalize_row_fast<std::uint8_t, false>(r, o, w, p, n);
+            to_rgb ? normalize_row_fast<std::uint8_t, true>(r, o, w, p, n)
+                   : normalize_row_fast<std::uint8_t, false>(r, o, w, p, n);
         } else if (fast) {  // in place too (row == o)
             const auto* r = reinterpret_cast<const float*>(row);
-            to_rgb ? loongkit::normalize_row_fast<float, true>(r, o, w, p, n)
-                   : loongkit::normalize_row_fast<float, false>(r, o, w, p, n);
+            to_rgb ? normalize_row_fast<float, true>(r, o, w, p, n) : normalize_row_fast<float, false>(r, o, w, p, n);
         } else if (dt == Dtype::U8) {
-            loongkit::normalize_row_strided<std::uint8_t>(row, sx, sc, o, w, to_rgb, p);
+            normalize_row_strided<std::uint8_t>(row, sx, sc, o, w, to_rgb, p);
         } else {
-            loongkit::normalize_row_strided<float>(row, sx, sc, o, w, to_rgb, p);
+            normalize_row_strided<float>(row, sx, sc, o, w, to_rgb, p);
         }
     });
 }
 
 // imnormalize_split(mean_f32[3], stdinv_f64[3]) -> bool: whether uint8 input takes the float32-only
-// product for these parameters (its exhaustive check passed); False on builds without the SIMD path.
-bool imnormalize_split(py::tuple mean, py::tuple stdinv) {
-    NormParams p{};
-    for (int c = 0; c < 3; ++c) {
-        p.mean[c] = mean[c].cast<float>();
-        p.stdinv[c] = stdinv[c].cast<double>();
-    }
+// product for these parameters (its exhaustive check passed); false in the baseline build.
+bool imnormalize_split(const std::vector<double>& mean, const std::vector<double>& stdinv) {
+    [[maybe_unused]] const NormParams p = norm_params(mean, stdinv);
 #ifdef LOONGKIT_AVX2
-    return loongkit::norm_split_exact(loongkit::norm_vec(p));
+    return norm_split_exact(norm_vec(p));
 #else
     return false;
 #endif
@@ -123,47 +115,28 @@ bool imnormalize_split(py::tuple mean, py::tuple stdinv) {
 
 // distort(src, dst, delta, alpha_pre, sat, clip_sat, hue, alpha_post, perm, mode, threads) -> bool.
 // False (dst untouched or partly written) when a float input is outside what the kernel reproduces.
-bool distort(py::buffer src, py::buffer dst, float delta, float alpha_pre, float sat, bool clip_sat, float hue,
-             float alpha_post, py::tuple perm, py::tuple mode, int threads) {
-    py::buffer_info s = src.request();
-    py::buffer_info d = dst.request(true);
+bool distort(const View& s, const View& d, float delta, float alpha_pre, float sat, bool clip_sat, float hue,
+             float alpha_post, const std::vector<int64_t>& perm, const std::vector<int64_t>& mode, int64_t threads) {
     check_hwc3(s, "src");
     const Dtype dt = dtype_of(s);
     float* out = out_f32(d, s);
-    if (!pixel_contiguous(s)) throw std::invalid_argument("src pixels must be contiguous");
-    loongkit::DistortParams p{delta, alpha_pre, sat, clip_sat, hue, alpha_post, {0, 1, 2}};
+    LK_CHECK(pixel_contiguous(s), "src pixels must be contiguous");
+    LK_CHECK(perm.size() == 3 && mode.size() == 4, "perm takes 3 values, mode 4");
+    DistortParams p{delta, alpha_pre, sat, clip_sat, hue, alpha_post, {0, 1, 2}};
     for (int c = 0; c < 3; ++c) {
-        p.perm[c] = perm[c].cast<int>();
-        if (p.perm[c] < 0 || p.perm[c] > 2) throw std::invalid_argument("perm must hold 0, 1, 2");
+        LK_CHECK(perm[c] >= 0 && perm[c] <= 2, "perm must hold 0, 1, 2");
+        p.perm[c] = static_cast<int>(perm[c]);
     }
-    loongkit::HsvMode m{mode[0].cast<int>(), mode[1].cast<bool>(), mode[2].cast<bool>(), mode[3].cast<bool>()};
-    const loongkit::RowFn fn = dt == Dtype::U8 ? loongkit::pick_row<std::uint8_t>(m) : loongkit::pick_row<float>(m);
-    const std::ptrdiff_t h = s.shape[0], w = s.shape[1], sy = s.strides[0];
-    const auto* base = static_cast<const char*>(s.ptr);
-    py::gil_scoped_release nogil;
+    const HsvMode m{static_cast<int>(mode[0]), mode[1] != 0, mode[2] != 0, mode[3] != 0};
+    const RowFn fn = dt == Dtype::U8 ? pick_row<std::uint8_t>(m) : pick_row<float>(m);
+    const std::ptrdiff_t h = s.size(0), w = s.size(1), sy = s.byte_stride(0);
+    const auto* base = static_cast<const char*>(s.data_ptr());
     if (dt == Dtype::F32) {
         for (std::ptrdiff_t y = 0; y < h; ++y)
-            if (!loongkit::float_row_plain(reinterpret_cast<const float*>(base + y * sy), 3 * w)) return false;
+            if (!float_row_plain(reinterpret_cast<const float*>(base + y * sy), 3 * w)) return false;
     }
     for_rows(h, threads, [&](std::ptrdiff_t y) { fn(base + y * sy, out + y * w * 3, w, m.lanes, p); });
     return true;
 }
 
-}  // namespace
-
-namespace loongkit {
-void register_distortion(py::module_& m) {
-    m.def("distort", &distort, py::arg("src"), py::arg("dst"), py::arg("delta"), py::arg("alpha_pre"),
-          py::arg("sat"), py::arg("clip_sat"), py::arg("hue"), py::arg("alpha_post"), py::arg("perm"),
-          py::arg("mode"), py::arg("threads") = 1);
-}
-}  // namespace loongkit
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.doc() = "loongkit-data CPU kernels (bit-exact mmcv imnormalize, mmdet PhotoMetricDistortion)";
-    m.attr("ABI") = 1;
-    m.def("imnormalize", &imnormalize, py::arg("src"), py::arg("dst"), py::arg("mean"), py::arg("stdinv"),
-          py::arg("to_rgb"), py::arg("threads") = 1);
-    m.def("imnormalize_split", &imnormalize_split, py::arg("mean"), py::arg("stdinv"));
-    loongkit::register_distortion(m);
-}
+}  // namespace loongkit::LK_ISA

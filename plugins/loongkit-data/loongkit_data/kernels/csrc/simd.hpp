@@ -1,23 +1,22 @@
 // AVX2 helpers shared by the kernels: moving 8 interleaved 3-channel pixels in and out of three
 // 8-lane vectors (one per channel).
 //
-// The extension is built with -march=native and its cache key includes the CPU's flags, so the
-// instruction set is a compile-time fact: LOONGKIT_AVX2 is defined when the build CPU has AVX2 and
-// FMA (the HSV path needs fused multiply-adds as instructions, not libm calls). Other CPUs
-// (aarch64, older x86) use the scalar code, which computes the same bits. LOONGKIT_AVX512 adds
-// the 512-bit forms where the build CPU has AVX-512 F/BW/DQ/VL.
+// The kernels are compiled once per instruction set (isa_<isa>.cpp, see loongkit/kernel_isa_begin.h)
+// and the library runs the best build the CPU supports: LOONGKIT_AVX2 is defined in the AVX2 and
+// AVX-512 builds (AVX2 and FMA: the HSV path needs fused multiply-adds as instructions, not libm
+// calls), LOONGKIT_AVX512 (F/BW/DQ/VL, the 512-bit forms) in the AVX-512 build. The baseline build
+// (older x86, other architectures) uses the scalar code, which computes the same bits.
 #pragma once
 
-#if defined(__AVX2__) && defined(__FMA__)
+#include <loongkit/kernel.h>
+
+#if LK_ISA_TARGETED
 #define LOONGKIT_AVX2 1
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#if LK_ISA_LEVEL >= 2
 #define LOONGKIT_AVX512 1  // imnormalize uses 16-lane vectors (masked loads, fewer instructions)
 #endif
-#include <immintrin.h>
 
-#include <cstdint>
-
-namespace loongkit::simd {
+namespace loongkit::LK_ISA::simd {
 
 // Byte shuffle that picks channel c of pixels 0..3 from the low lane (bytes p[0..15]) and of
 // pixels 4..7 from the high lane (bytes p[8..23]), zero-extended to 32 bits.
@@ -141,5 +140,5 @@ static inline void store3x16(float* p, const Planar16& t, __m512 c0, __m512 c1, 
 }
 #endif
 
-}  // namespace loongkit::simd
+}  // namespace loongkit::LK_ISA::simd
 #endif

@@ -20,8 +20,6 @@
 // Fresh outputs of many megabytes are first touched here; the kernel asks for transparent huge pages
 // on them (madvise, a hint) because 4 KiB first-touch page faults otherwise cost more than the
 // pooling itself on machines with THP in "madvise" mode.
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -34,14 +32,14 @@
 
 #include "kernels.h"
 
-namespace loongkit {
+namespace loongkit::LK_ISA {
 namespace {
 
 // Voxels per tile: a 64 x C buffer (20 KiB at C = 80 float) stays in L1/L2, and each channel's run
 // in the output is 64 values (whole cache lines).
 constexpr int64_t kTile = 64;
 
-struct Grid {
+struct BevGrid {
     int64_t B, Z, X, Y;
     int64_t plane() const { return Z * X * Y; }
     // Flattened (b, z, x, y) voxel of a point, or -1 when it is outside the grid.
@@ -52,10 +50,10 @@ struct Grid {
     }
 };
 
-void check(const at::Tensor& feats, const at::Tensor& coords) {
-    TORCH_CHECK(feats.dim() == 2 && feats.is_contiguous(), "feats must be contiguous [N, C]");
-    TORCH_CHECK(coords.dim() == 2 && coords.size(1) == 4 && coords.size(0) == feats.size(0) &&
-                    coords.scalar_type() == at::kLong && coords.is_contiguous(),
+void check_bev_pool(const View& feats, const View& coords) {
+    LK_CHECK(feats.dim() == 2 && feats.is_contiguous(), "feats must be contiguous [N, C]");
+    LK_CHECK(coords.dim() == 2 && coords.size(1) == 4 && coords.size(0) == feats.size(0) &&
+                    coords.scalar_type() == lk::kLong && coords.is_contiguous(),
                 "coords must be contiguous int64 [N, 4]");
 }
 
@@ -89,7 +87,7 @@ int64_t tile_of(int64_t v, int64_t plane, int64_t tiles_per_plane) {
     return b * tiles_per_plane + (v - b * plane) / kTile;
 }
 
-Plan plan_tiles(const int64_t* coords, int64_t n, const Grid& g) {
+Plan plan_tiles(const int64_t* coords, int64_t n, const BevGrid& g) {
     Plan p;
     const int64_t plane = g.plane();
     p.tiles_per_plane = (plane + kTile - 1) / kTile;
@@ -97,9 +95,9 @@ Plan plan_tiles(const int64_t* coords, int64_t n, const Grid& g) {
     p.vox.resize(static_cast<size_t>(n));
     const int64_t tiles = p.tiles, tpp = p.tiles_per_plane;
     // A few point chunks per thread; each chunk counts its points per tile (no shared counters).
-    const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (n + 16383) / 16384));
+    const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(lk::num_threads(), (n + 16383) / 16384));
     std::vector<int64_t> count(static_cast<size_t>(chunks * tiles), 0);
-    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    lk::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
         for (int64_t ch = begin; ch < end; ++ch) {
             int64_t* cnt = count.data() + ch * tiles;
             for (int64_t i = n * ch / chunks; i < n * (ch + 1) / chunks; ++i) {
@@ -123,7 +121,7 @@ Plan plan_tiles(const int64_t* coords, int64_t n, const Grid& g) {
     p.start[tiles] = total;
     p.order.resize(static_cast<size_t>(total));
     p.slot.resize(static_cast<size_t>(total));
-    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    lk::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
         for (int64_t ch = begin; ch < end; ++ch) {
             int64_t* off = count.data() + ch * tiles;
             for (int64_t i = n * ch / chunks; i < n * (ch + 1) / chunks; ++i) {
@@ -147,7 +145,7 @@ void for_tiles(const Plan& p, bool skip_empty, const F& fn) {
     if (tiles == 0) return;
     const int64_t tile_cost = skip_empty ? 0 : kTile;  // in point rows
     const int64_t total = p.start[tiles] + tile_cost * tiles + tiles;  // +1 per tile: the loop itself
-    const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads() * 4, tiles));
+    const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(lk::num_threads() * 4, tiles));
     // cost before tile t = start[t] + (tile_cost + 1) * t: monotone, so a binary search finds each range.
     auto first_tile = [&](int64_t k) {
         const int64_t target = total * k / tasks;
@@ -159,13 +157,13 @@ void for_tiles(const Plan& p, bool skip_empty, const F& fn) {
         }
         return lo;
     };
-    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    lk::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
         for (int64_t t = first_tile(begin), last = first_tile(end); t < last; ++t) fn(t);
     });
 }
 
 template <typename T>
-void forward_impl(const T* __restrict feats, const int64_t* coords, int64_t n, int64_t C, const Grid& g,
+void forward_impl(const T* __restrict feats, const int64_t* coords, int64_t n, int64_t C, const BevGrid& g,
                   T* __restrict out) {
     const Plan p = plan_tiles(coords, n, g);
     const int64_t plane = g.plane();
@@ -198,12 +196,12 @@ void forward_impl(const T* __restrict feats, const int64_t* coords, int64_t n, i
 }
 
 template <typename T>
-void backward_impl(const T* __restrict gout, const int64_t* coords, int64_t n, int64_t C, const Grid& g,
+void backward_impl(const T* __restrict gout, const int64_t* coords, int64_t n, int64_t C, const BevGrid& g,
                    T* __restrict gfeats) {
     const Plan p = plan_tiles(coords, n, g);
     const int64_t plane = g.plane();
     // Dropped points get zero rows.
-    at::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
+    lk::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i)
             if (p.vox[i] < 0) std::fill(gfeats + i * C, gfeats + (i + 1) * C, T(0));
     });
@@ -232,36 +230,36 @@ void backward_impl(const T* __restrict gout, const int64_t* coords, int64_t n, i
 
 }  // namespace
 
-void bev_pool_forward(const at::Tensor& feats, const at::Tensor& coords, int64_t B, int64_t Z, int64_t X, int64_t Y,
-                      at::Tensor& out) {
-    check(feats, coords);
-    TORCH_CHECK(B >= 0 && Z >= 0 && X >= 0 && Y >= 0, "negative grid size");
-    TORCH_CHECK(out.is_contiguous() && out.dim() == 5 && out.size(0) == B && out.size(1) == feats.size(1) &&
+void bev_pool_forward(const View& feats, const View& coords, int64_t B, int64_t Z, int64_t X, int64_t Y,
+                      const View& out) {
+    check_bev_pool(feats, coords);
+    LK_CHECK(B >= 0 && Z >= 0 && X >= 0 && Y >= 0, "negative grid size");
+    LK_CHECK(out.is_contiguous() && out.dim() == 5 && out.size(0) == B && out.size(1) == feats.size(1) &&
                     out.size(2) == Z && out.size(3) == X && out.size(4) == Y &&
                     out.scalar_type() == feats.scalar_type(), "out must be contiguous [B, C, Z, X, Y]");
-    const Grid g{B, Z, X, Y};
+    const BevGrid g{B, Z, X, Y};
     if (out.numel() == 0) return;
     advise_huge_pages(out.data_ptr(), out.numel() * out.element_size());
-    AT_DISPATCH_FLOATING_TYPES(feats.scalar_type(), "loongkit_bev_pool_forward", [&] {
+    LK_DISPATCH_FLOATING_TYPES(feats.scalar_type(), "loongkit_bev_pool_forward", [&] {
         forward_impl<scalar_t>(feats.data_ptr<scalar_t>(), coords.data_ptr<int64_t>(), feats.size(0), feats.size(1), g,
                                out.data_ptr<scalar_t>());
     });
 }
 
-void bev_pool_backward(const at::Tensor& grad_out, const at::Tensor& coords, int64_t B, int64_t Z, int64_t X,
-                       int64_t Y, at::Tensor& grad_feats) {
-    check(grad_feats, coords);
-    TORCH_CHECK(grad_out.is_contiguous() && grad_out.dim() == 5 && grad_out.size(0) == B &&
+void bev_pool_backward(const View& grad_out, const View& coords, int64_t B, int64_t Z, int64_t X,
+                       int64_t Y, const View& grad_feats) {
+    check_bev_pool(grad_feats, coords);
+    LK_CHECK(grad_out.is_contiguous() && grad_out.dim() == 5 && grad_out.size(0) == B &&
                     grad_out.size(1) == grad_feats.size(1) && grad_out.size(2) == Z && grad_out.size(3) == X &&
                     grad_out.size(4) == Y && grad_out.scalar_type() == grad_feats.scalar_type(),
                 "grad_output must be contiguous [B, C, Z, X, Y]");
-    const Grid g{B, Z, X, Y};
+    const BevGrid g{B, Z, X, Y};
     if (grad_feats.numel() == 0) return;
     advise_huge_pages(grad_feats.data_ptr(), grad_feats.numel() * grad_feats.element_size());
-    AT_DISPATCH_FLOATING_TYPES(grad_feats.scalar_type(), "loongkit_bev_pool_backward", [&] {
+    LK_DISPATCH_FLOATING_TYPES(grad_feats.scalar_type(), "loongkit_bev_pool_backward", [&] {
         backward_impl<scalar_t>(grad_out.data_ptr<scalar_t>(), coords.data_ptr<int64_t>(), grad_feats.size(0),
                                 grad_feats.size(1), g, grad_feats.data_ptr<scalar_t>());
     });
 }
 
-}  // namespace loongkit
+}  // namespace loongkit::LK_ISA

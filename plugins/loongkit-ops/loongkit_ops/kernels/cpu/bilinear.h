@@ -6,7 +6,7 @@
 #include <cmath>
 #include <cstdint>
 
-namespace loongkit {
+namespace loongkit::LK_ISA {
 
 // The four corners of one sample: offsets of valid corners (-1 if outside) and their weights.
 template <typename T>
@@ -83,4 +83,4 @@ inline void corners_backward(const Corners<T>& cs, const T* const vp[4], T* cons
     sh = rh;
 }
 
-}  // namespace loongkit
+}  // namespace loongkit::LK_ISA

@@ -18,8 +18,6 @@
 // (dot products for grad_weights and grad_loc) are partial over a chunk; they go to a small
 // [bs, chunks, samples, L, 3] buffer and are summed in chunk order afterwards (deterministic for a
 // thread count).
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -28,41 +26,38 @@
 #include "bilinear.h"
 #include "kernels.h"
 
-namespace loongkit {
+namespace loongkit::LK_ISA {
 namespace {
 
 struct DafDims {
     int64_t bs, NF, C, A, P, K, L, G;
 };
 
-using loongkit::Corners;
-using loongkit::corners;
-using loongkit::corners_backward;
 
 template <typename T>
 inline bool strictly_inside(T x, T y) {
     return x > T(0) && x < T(1) && y > T(0) && y < T(1);  // false for NaN
 }
 
-DafDims check(const at::Tensor& feat, const at::Tensor& shapes, const at::Tensor& starts, const at::Tensor& loc,
-              const at::Tensor& w) {
-    TORCH_CHECK(feat.dim() == 3 && feat.is_contiguous(), "mc_ms_feat must be contiguous [bs, num_feat, C]");
-    TORCH_CHECK(loc.dim() == 5 && loc.size(4) == 2 && loc.is_contiguous(), "bad sampling_location");
-    TORCH_CHECK(w.dim() == 6 && w.is_contiguous(), "bad weights");
-    TORCH_CHECK(loc.scalar_type() == feat.scalar_type() && w.scalar_type() == feat.scalar_type(), "dtypes differ");
+DafDims check_daf(const View& feat, const View& shapes, const View& starts, const View& loc,
+              const View& w) {
+    LK_CHECK(feat.dim() == 3 && feat.is_contiguous(), "mc_ms_feat must be contiguous [bs, num_feat, C]");
+    LK_CHECK(loc.dim() == 5 && loc.size(4) == 2 && loc.is_contiguous(), "bad sampling_location");
+    LK_CHECK(w.dim() == 6 && w.is_contiguous(), "bad weights");
+    LK_CHECK(loc.scalar_type() == feat.scalar_type() && w.scalar_type() == feat.scalar_type(), "dtypes differ");
     DafDims d{feat.size(0), feat.size(1), feat.size(2), loc.size(1), loc.size(2), loc.size(3), w.size(4), w.size(5)};
-    TORCH_CHECK(loc.size(0) == d.bs, "sampling_location batch");
-    TORCH_CHECK(w.size(0) == d.bs && w.size(1) == d.A && w.size(2) == d.P && w.size(3) == d.K, "weights shape");
-    TORCH_CHECK(d.G > 0 && d.C % d.G == 0, "channels must split evenly into the weight groups");
-    TORCH_CHECK(shapes.scalar_type() == at::kLong && shapes.is_contiguous() && shapes.dim() == 3 &&
+    LK_CHECK(loc.size(0) == d.bs, "sampling_location batch");
+    LK_CHECK(w.size(0) == d.bs && w.size(1) == d.A && w.size(2) == d.P && w.size(3) == d.K, "weights shape");
+    LK_CHECK(d.G > 0 && d.C % d.G == 0, "channels must split evenly into the weight groups");
+    LK_CHECK(shapes.scalar_type() == lk::kLong && shapes.is_contiguous() && shapes.dim() == 3 &&
                     shapes.size(0) == d.K && shapes.size(1) == d.L && shapes.size(2) == 2,
                 "spatial_shape must be int64 [cams, levels, 2]");
-    TORCH_CHECK(starts.scalar_type() == at::kLong && starts.is_contiguous() && starts.numel() == d.K * d.L,
+    LK_CHECK(starts.scalar_type() == lk::kLong && starts.is_contiguous() && starts.numel() == d.K * d.L,
                 "scale_start_index must be int64 [cams, levels]");
     const int64_t* s = shapes.data_ptr<int64_t>();
     const int64_t* st = starts.data_ptr<int64_t>();
     for (int64_t i = 0; i < d.K * d.L; ++i) {
-        TORCH_CHECK(s[2 * i] >= 0 && s[2 * i + 1] >= 0 && st[i] >= 0 && st[i] + s[2 * i] * s[2 * i + 1] <= d.NF,
+        LK_CHECK(s[2 * i] >= 0 && s[2 * i + 1] >= 0 && st[i] >= 0 && st[i] + s[2 * i] * s[2 * i + 1] <= d.NF,
                     "map ", i, " lies outside mc_ms_feat");
     }
     return d;
@@ -73,7 +68,7 @@ void forward_impl(const DafDims& d, const T* __restrict feat, const int64_t* sha
                   const T* __restrict loc, const T* __restrict wts, bool inside_only, T* __restrict out) {
     const int64_t C = d.C, gd = d.C / d.G;
     const std::vector<T> zero(static_cast<size_t>(C), T(0));
-    at::parallel_for(0, d.bs * d.A, 4, [&](int64_t begin, int64_t end) {
+    lk::parallel_for(0, d.bs * d.A, 4, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
         const T* fb = feat + (i / d.A) * d.NF * C;
         T* __restrict o = out + i * C;
@@ -113,13 +108,13 @@ void backward_impl(const DafDims& d, const T* __restrict feat, const int64_t* sh
                    T* __restrict gfeat, T* __restrict gloc, T* __restrict gw) {
     const int64_t C = d.C, gd = d.C / d.G, samples = d.A * d.P * d.K;
     // Split each group into `sub` chunks while batch*groups alone leaves threads idle.
-    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    const int64_t threads = std::max<int64_t>(1, lk::num_threads());
     int64_t sub = 1;
     while (d.bs * d.G * sub < threads && gd % (2 * sub) == 0 && gd / (2 * sub) >= 8) sub *= 2;
     const int64_t chunks = d.G * sub, cw = gd / sub;
     // part[b][chunk][sample][l] = (grad_out . sample, d/dx, d/dy) over the chunk's channels.
     std::vector<T> part(static_cast<size_t>(d.bs * chunks * samples * d.L * 3));
-    at::parallel_for(0, d.bs * chunks, 1, [&](int64_t begin, int64_t end) {
+    lk::parallel_for(0, d.bs * chunks, 1, [&](int64_t begin, int64_t end) {
     // Corners outside the map read a zero row and scatter into a scratch row: one branch-free pass.
     std::vector<T> zero(static_cast<size_t>(cw), T(0)), dump(static_cast<size_t>(cw));
     for (int64_t t = begin; t < end; ++t) {
@@ -161,7 +156,7 @@ void backward_impl(const DafDims& d, const T* __restrict feat, const int64_t* sh
     }
     });
     // Reduce the chunk partials in a fixed order.
-    at::parallel_for(0, d.bs * samples, 256, [&](int64_t begin, int64_t end) {
+    lk::parallel_for(0, d.bs * samples, 256, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
         const int64_t b = s / samples, si = s % samples;
         T dx = T(0), dy = T(0);
@@ -183,32 +178,32 @@ void backward_impl(const DafDims& d, const T* __restrict feat, const int64_t* sh
 
 }  // namespace
 
-void daf_forward(const at::Tensor& mc_ms_feat, const at::Tensor& spatial_shape, const at::Tensor& scale_start,
-                 const at::Tensor& loc, const at::Tensor& weights, bool inside_only, at::Tensor& out) {
-    const DafDims d = check(mc_ms_feat, spatial_shape, scale_start, loc, weights);
-    TORCH_CHECK(out.is_contiguous() && out.numel() == d.bs * d.A * d.C && out.scalar_type() == mc_ms_feat.scalar_type(),
+void daf_forward(const View& mc_ms_feat, const View& spatial_shape, const View& scale_start,
+                 const View& loc, const View& weights, bool inside_only, const View& out) {
+    const DafDims d = check_daf(mc_ms_feat, spatial_shape, scale_start, loc, weights);
+    LK_CHECK(out.is_contiguous() && out.numel() == d.bs * d.A * d.C && out.scalar_type() == mc_ms_feat.scalar_type(),
                 "bad output");
-    AT_DISPATCH_FLOATING_TYPES(mc_ms_feat.scalar_type(), "loongkit_daf_forward", [&] {
+    LK_DISPATCH_FLOATING_TYPES(mc_ms_feat.scalar_type(), "loongkit_daf_forward", [&] {
         forward_impl<scalar_t>(d, mc_ms_feat.data_ptr<scalar_t>(), spatial_shape.data_ptr<int64_t>(),
                                scale_start.data_ptr<int64_t>(), loc.data_ptr<scalar_t>(), weights.data_ptr<scalar_t>(),
                                inside_only, out.data_ptr<scalar_t>());
     });
 }
 
-void daf_backward(const at::Tensor& mc_ms_feat, const at::Tensor& spatial_shape, const at::Tensor& scale_start,
-                  const at::Tensor& loc, const at::Tensor& weights, bool inside_only, const at::Tensor& grad_out,
-                  at::Tensor& grad_feat, at::Tensor& grad_loc, at::Tensor& grad_weights) {
-    const DafDims d = check(mc_ms_feat, spatial_shape, scale_start, loc, weights);
+void daf_backward(const View& mc_ms_feat, const View& spatial_shape, const View& scale_start,
+                  const View& loc, const View& weights, bool inside_only, const View& grad_out,
+                  const View& grad_feat, const View& grad_loc, const View& grad_weights) {
+    const DafDims d = check_daf(mc_ms_feat, spatial_shape, scale_start, loc, weights);
     const auto dtype = mc_ms_feat.scalar_type();
-    TORCH_CHECK(grad_out.is_contiguous() && grad_out.numel() == d.bs * d.A * d.C && grad_out.scalar_type() == dtype,
+    LK_CHECK(grad_out.is_contiguous() && grad_out.numel() == d.bs * d.A * d.C && grad_out.scalar_type() == dtype,
                 "bad grad_output");
-    TORCH_CHECK(grad_feat.is_contiguous() && grad_feat.sizes() == mc_ms_feat.sizes() && grad_feat.scalar_type() == dtype,
+    LK_CHECK(grad_feat.is_contiguous() && grad_feat.sizes() == mc_ms_feat.sizes() && grad_feat.scalar_type() == dtype,
                 "bad grad_mc_ms_feat");
-    TORCH_CHECK(grad_loc.is_contiguous() && grad_loc.sizes() == loc.sizes() && grad_loc.scalar_type() == dtype,
+    LK_CHECK(grad_loc.is_contiguous() && grad_loc.sizes() == loc.sizes() && grad_loc.scalar_type() == dtype,
                 "bad grad_sampling_location");
-    TORCH_CHECK(grad_weights.is_contiguous() && grad_weights.sizes() == weights.sizes() &&
+    LK_CHECK(grad_weights.is_contiguous() && grad_weights.sizes() == weights.sizes() &&
                     grad_weights.scalar_type() == dtype, "bad grad_weights");
-    AT_DISPATCH_FLOATING_TYPES(dtype, "loongkit_daf_backward", [&] {
+    LK_DISPATCH_FLOATING_TYPES(dtype, "loongkit_daf_backward", [&] {
         backward_impl<scalar_t>(d, mc_ms_feat.data_ptr<scalar_t>(), spatial_shape.data_ptr<int64_t>(),
                                 scale_start.data_ptr<int64_t>(), loc.data_ptr<scalar_t>(),
                                 weights.data_ptr<scalar_t>(), inside_only, grad_out.data_ptr<scalar_t>(),
@@ -217,4 +212,4 @@ void daf_backward(const at::Tensor& mc_ms_feat, const at::Tensor& spatial_shape,
     });
 }
 
-}  // namespace loongkit
+}  // namespace loongkit::LK_ISA

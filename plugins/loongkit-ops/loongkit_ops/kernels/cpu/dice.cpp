@@ -1,6 +1,6 @@
 // DiceLoss statistics of mmseg 1.x (per sample) and 0.x (per sample and class, at the end of the file),
-// fused (forward and backward); threads via at::parallel_for (torch's
-// OpenMP region and thread count), `omp simd` inner loops.
+// fused (forward and backward); threads via lk::parallel_for (torch's OpenMP runtime and thread
+// count), `omp simd` inner loops.
 //
 // mmseg >= 1.1 computes, per sample n over all kept classes and pixels together:
 //   a = sum p*t,  b = sum p*p (naive: sum p),  c = sum t*t (= number of labelled pixels)
@@ -15,8 +15,6 @@
 // are strided by H*W, so a task walks the classes outer and its pixels inner (unit stride, vector
 // friendly) over a small block buffer. Partial sums are kept per task in double and added in task
 // order afterwards: deterministic and independent of the thread count.
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -25,7 +23,7 @@
 
 #include "kernels.h"
 
-namespace loongkit {
+namespace loongkit::LK_ISA {
 namespace {
 
 constexpr int64_t kBlock = 256;
@@ -69,9 +67,9 @@ inline void block_probs(const T* __restrict x, int64_t C, int64_t S, int64_t n, 
     }
 }
 
-void check(const at::Tensor& logits, const at::Tensor& target) {
-    TORCH_CHECK(logits.dim() == 3 && logits.is_contiguous(), "logits must be contiguous [N, C, S]");
-    TORCH_CHECK(target.scalar_type() == at::kLong && target.is_contiguous() && target.dim() == 2 &&
+void check_dice(const View& logits, const View& target) {
+    LK_CHECK(logits.dim() == 3 && logits.is_contiguous(), "logits must be contiguous [N, C, S]");
+    LK_CHECK(target.scalar_type() == lk::kLong && target.is_contiguous() && target.dim() == 2 &&
                     target.size(0) == logits.size(0) && target.size(1) == logits.size(2),
                 "target must be contiguous int64 [N, S]");
 }
@@ -81,7 +79,7 @@ void stats_impl(const T* logits, const int64_t* target, int64_t N, int64_t C, in
                 bool naive, T* stats) {
     const int64_t blocks = (S + kBlock - 1) / kBlock, tasks = N * blocks;
     std::vector<double> part(static_cast<size_t>(tasks * 3));
-    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    lk::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
         std::vector<T> prob(static_cast<size_t>(C * kBlock)), scratch(2 * kBlock);
         for (int64_t t = begin; t < end; ++t) {
             const int64_t n = t / blocks, s0 = (t % blocks) * kBlock, len = std::min(kBlock, S - s0);
@@ -126,7 +124,7 @@ template <typename T>
 void stats_backward_impl(const T* logits, const int64_t* target, int64_t N, int64_t C, int64_t S, int64_t act,
                          int64_t drop, bool naive, const T* gstats, T* glogits) {
     const int64_t blocks = (S + kBlock - 1) / kBlock, tasks = N * blocks;
-    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    lk::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
         std::vector<T> prob(static_cast<size_t>(C * kBlock)), scratch(2 * kBlock), gp(static_cast<size_t>(C * kBlock));
         std::vector<T> dot(kBlock);
         for (int64_t t = begin; t < end; ++t) {
@@ -204,7 +202,7 @@ void class_stats_impl(const T* logits, const int64_t* target, int64_t N, int64_t
     const int mode = pow_mode(exponent);
     const T e = static_cast<T>(exponent);
     std::vector<double> part(static_cast<size_t>(tasks * C * 3));
-    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    lk::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
         std::vector<T> prob(static_cast<size_t>(C * kBlock)), scratch(2 * kBlock);
         for (int64_t t = begin; t < end; ++t) {
             const int64_t n = t / blocks, s0 = (t % blocks) * kBlock, len = std::min(kBlock, S - s0);
@@ -252,7 +250,7 @@ void class_stats_backward_impl(const T* logits, const int64_t* target, int64_t N
     const int64_t blocks = (S + kBlock - 1) / kBlock, tasks = N * blocks;
     const int mode = pow_mode(exponent);
     const T e = static_cast<T>(exponent), em1 = static_cast<T>(exponent - 1.0);
-    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    lk::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
         std::vector<T> prob(static_cast<size_t>(C * kBlock)), scratch(2 * kBlock), gp(static_cast<size_t>(C * kBlock));
         std::vector<T> dot(kBlock);
         for (int64_t t = begin; t < end; ++t) {
@@ -303,63 +301,63 @@ void class_stats_backward_impl(const T* logits, const int64_t* target, int64_t N
 
 }  // namespace
 
-void dice_stats_forward(const at::Tensor& logits, const at::Tensor& target, int64_t activation, int64_t drop_class,
-                        bool naive, at::Tensor& stats) {
-    check(logits, target);
-    TORCH_CHECK(activation >= 0 && activation <= 2, "activation must be 0, 1 or 2");
-    TORCH_CHECK(stats.is_contiguous() && stats.numel() == 3 * logits.size(0) &&
+void dice_stats_forward(const View& logits, const View& target, int64_t activation, int64_t drop_class,
+                        bool naive, const View& stats) {
+    check_dice(logits, target);
+    LK_CHECK(activation >= 0 && activation <= 2, "activation must be 0, 1 or 2");
+    LK_CHECK(stats.is_contiguous() && stats.numel() == 3 * logits.size(0) &&
                     stats.scalar_type() == logits.scalar_type(), "bad stats");
-    AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "loongkit_dice_stats", [&] {
+    LK_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "loongkit_dice_stats", [&] {
         stats_impl<scalar_t>(logits.data_ptr<scalar_t>(), target.data_ptr<int64_t>(), logits.size(0), logits.size(1),
                              logits.size(2), activation, drop_class, naive, stats.data_ptr<scalar_t>());
     });
 }
 
-void dice_stats_backward(const at::Tensor& logits, const at::Tensor& target, int64_t activation, int64_t drop_class,
-                         bool naive, const at::Tensor& grad_stats, at::Tensor& grad_logits) {
-    check(logits, target);
-    TORCH_CHECK(activation >= 0 && activation <= 2, "activation must be 0, 1 or 2");
-    TORCH_CHECK(grad_stats.is_contiguous() && grad_stats.numel() == 3 * logits.size(0) &&
+void dice_stats_backward(const View& logits, const View& target, int64_t activation, int64_t drop_class,
+                         bool naive, const View& grad_stats, const View& grad_logits) {
+    check_dice(logits, target);
+    LK_CHECK(activation >= 0 && activation <= 2, "activation must be 0, 1 or 2");
+    LK_CHECK(grad_stats.is_contiguous() && grad_stats.numel() == 3 * logits.size(0) &&
                     grad_stats.scalar_type() == logits.scalar_type(), "bad grad_stats");
-    TORCH_CHECK(grad_logits.is_contiguous() && grad_logits.sizes() == logits.sizes() &&
+    LK_CHECK(grad_logits.is_contiguous() && grad_logits.sizes() == logits.sizes() &&
                     grad_logits.scalar_type() == logits.scalar_type(), "bad grad_logits");
-    AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "loongkit_dice_stats_backward", [&] {
+    LK_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "loongkit_dice_stats_backward", [&] {
         stats_backward_impl<scalar_t>(logits.data_ptr<scalar_t>(), target.data_ptr<int64_t>(), logits.size(0),
                                       logits.size(1), logits.size(2), activation, drop_class, naive,
                                       grad_stats.data_ptr<scalar_t>(), grad_logits.data_ptr<scalar_t>());
     });
 }
 
-}  // namespace loongkit
+}  // namespace loongkit::LK_ISA
 
-namespace loongkit {
+namespace loongkit::LK_ISA {
 
-void dice_class_stats_forward(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
-                              double exponent, at::Tensor& stats) {
-    check(logits, target);
-    TORCH_CHECK(exponent > 0 && logits.size(1) > 0, "exponent must be > 0 and there must be a class");
-    TORCH_CHECK(stats.is_contiguous() && stats.numel() == 3 * logits.size(0) * logits.size(1) &&
+void dice_class_stats_forward(const View& logits, const View& target, int64_t ignore_index,
+                              double exponent, const View& stats) {
+    check_dice(logits, target);
+    LK_CHECK(exponent > 0 && logits.size(1) > 0, "exponent must be > 0 and there must be a class");
+    LK_CHECK(stats.is_contiguous() && stats.numel() == 3 * logits.size(0) * logits.size(1) &&
                     stats.scalar_type() == logits.scalar_type(), "bad stats");
-    AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "loongkit_dice_class_stats", [&] {
+    LK_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "loongkit_dice_class_stats", [&] {
         class_stats_impl<scalar_t>(logits.data_ptr<scalar_t>(), target.data_ptr<int64_t>(), logits.size(0),
                                    logits.size(1), logits.size(2), ignore_index, exponent,
                                    stats.data_ptr<scalar_t>());
     });
 }
 
-void dice_class_stats_backward(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
-                               double exponent, const at::Tensor& grad_stats, at::Tensor& grad_logits) {
-    check(logits, target);
-    TORCH_CHECK(exponent > 0 && logits.size(1) > 0, "exponent must be > 0 and there must be a class");
-    TORCH_CHECK(grad_stats.is_contiguous() && grad_stats.numel() == 3 * logits.size(0) * logits.size(1) &&
+void dice_class_stats_backward(const View& logits, const View& target, int64_t ignore_index,
+                               double exponent, const View& grad_stats, const View& grad_logits) {
+    check_dice(logits, target);
+    LK_CHECK(exponent > 0 && logits.size(1) > 0, "exponent must be > 0 and there must be a class");
+    LK_CHECK(grad_stats.is_contiguous() && grad_stats.numel() == 3 * logits.size(0) * logits.size(1) &&
                     grad_stats.scalar_type() == logits.scalar_type(), "bad grad_stats");
-    TORCH_CHECK(grad_logits.is_contiguous() && grad_logits.sizes() == logits.sizes() &&
+    LK_CHECK(grad_logits.is_contiguous() && grad_logits.sizes() == logits.sizes() &&
                     grad_logits.scalar_type() == logits.scalar_type(), "bad grad_logits");
-    AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "loongkit_dice_class_stats_backward", [&] {
+    LK_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "loongkit_dice_class_stats_backward", [&] {
         class_stats_backward_impl<scalar_t>(logits.data_ptr<scalar_t>(), target.data_ptr<int64_t>(),
                                             logits.size(0), logits.size(1), logits.size(2), ignore_index, exponent,
                                             grad_stats.data_ptr<scalar_t>(), grad_logits.data_ptr<scalar_t>());
     });
 }
 
-}  // namespace loongkit
+}  // namespace loongkit::LK_ISA

@@ -1,8 +1,7 @@
 // Multi-scale deformable attention on the CPU (forward and backward), plain and fused.
 //
-// Threads: at::parallel_for (compiled with -fopenmp, it is torch's OpenMP parallel region: the same
-// libgomp, which the loader shares by soname, and torch.set_num_threads applies); inner loops are
-// `omp simd`.
+// Threads: lk::parallel_for (at::parallel_for's scheme on torch's own libgomp, which the loader makes
+// the process's only OpenMP runtime; torch.set_num_threads applies); inner loops are `omp simd`.
 //
 // Semantics: bilinear sampling with zero padding and align_corners=False, i.e. the pixel coordinate
 // of a location u in [0, 1] on an axis of size S is u*S - 0.5 (grid_sample's convention with
@@ -37,8 +36,6 @@
 // Memory: a slice that fits the core's cache is staged into contiguous buffers (one head's rows are
 // heads*C apart in value, and random rows that far apart thrash a few cache sets); on maps beyond the
 // cache every sample of a query is located first and its rows prefetched (see visit_samples).
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -49,12 +46,9 @@
 #include "bilinear.h"
 #include "kernels.h"
 
-namespace loongkit {
+namespace loongkit::LK_ISA {
 namespace {
 
-using loongkit::Corners;
-using loongkit::corners;
-using loongkit::corners_backward;
 
 // f(std::integral_constant<int, NC>) with NC = C when it is a specialised width, else 0 (runtime C).
 template <typename F>
@@ -157,7 +151,7 @@ template <typename T, typename Body>
 void owned_slices(int64_t NV, int64_t K, int64_t H, int64_t C, int64_t Lq, const T* value, T* gvalue, bool clear,
                   Body&& body) {
     const int64_t rowstride = H * C, slices = NV * H;
-    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    const int64_t threads = std::max<int64_t>(1, lk::num_threads());
     int64_t splits = std::min<int64_t>(std::max<int64_t>(1, (threads + slices - 1) / slices), std::max<int64_t>(1, Lq));
     // Private buffers cost (splits - 1) x value; cap them at 1 GiB beyond value itself.
     const int64_t value_bytes = std::max<int64_t>(1, NV * K * rowstride * static_cast<int64_t>(sizeof(T)));
@@ -165,7 +159,7 @@ void owned_slices(int64_t NV, int64_t K, int64_t H, int64_t C, int64_t Lq, const
     const bool stage = H > 1 && 2 * K * C * static_cast<int64_t>(sizeof(T)) <= (int64_t(768) << 10);
     std::vector<T> priv;
     if (splits > 1) priv.assign(static_cast<size_t>(slices * splits * K * C), T(0));
-    at::parallel_for(0, slices * splits, 1, [&](int64_t begin, int64_t end) {
+    lk::parallel_for(0, slices * splits, 1, [&](int64_t begin, int64_t end) {
     // Corners outside the map read a zero row and scatter into scratch rows (one per corner, so the
     // four destination rows never alias): one branch-free pass.
     std::vector<T> zero(static_cast<size_t>(C), T(0)), dump(static_cast<size_t>(4 * C));
@@ -204,7 +198,7 @@ void owned_slices(int64_t NV, int64_t K, int64_t H, int64_t C, int64_t Lq, const
     });
     if (splits > 1) {
         // Fixed split order: the sum does not depend on which thread ran which split.
-        at::parallel_for(0, NV * K * H, 16, [&](int64_t r_begin, int64_t r_end) {
+        lk::parallel_for(0, NV * K * H, 16, [&](int64_t r_begin, int64_t r_end) {
         for (int64_t r = r_begin; r < r_end; ++r) {
             const int64_t b = r / (K * H), k = (r / H) % K, h = r % H;
             T* __restrict dst = gvalue + r * C;
@@ -219,15 +213,15 @@ void owned_slices(int64_t NV, int64_t K, int64_t H, int64_t C, int64_t Lq, const
     }
 }
 
-void check_levels(const at::Tensor& shapes, const at::Tensor& starts, int64_t L, int64_t K) {
-    TORCH_CHECK(shapes.scalar_type() == at::kLong && shapes.is_contiguous() && shapes.dim() == 2 &&
+void check_levels(const View& shapes, const View& starts, int64_t L, int64_t K) {
+    LK_CHECK(shapes.scalar_type() == lk::kLong && shapes.is_contiguous() && shapes.dim() == 2 &&
                     shapes.size(0) == L && shapes.size(1) == 2, "spatial_shapes must be int64 [L, 2]");
-    TORCH_CHECK(starts.scalar_type() == at::kLong && starts.is_contiguous() && starts.numel() == L,
+    LK_CHECK(starts.scalar_type() == lk::kLong && starts.is_contiguous() && starts.numel() == L,
                 "level_start_index must be int64 [L]");
     const int64_t* s = shapes.data_ptr<int64_t>();
     const int64_t* st = starts.data_ptr<int64_t>();
     for (int64_t l = 0; l < L; ++l) {
-        TORCH_CHECK(s[2 * l] >= 0 && s[2 * l + 1] >= 0 && st[l] >= 0 && st[l] + s[2 * l] * s[2 * l + 1] <= K,
+        LK_CHECK(s[2 * l] >= 0 && s[2 * l + 1] >= 0 && st[l] >= 0 && st[l] + s[2 * l] * s[2 * l + 1] <= K,
                     "level ", l, " lies outside value");
     }
 }
@@ -239,16 +233,16 @@ struct Dims {
     int64_t bs, K, H, C, Lq, L, P;
 };
 
-Dims check(const at::Tensor& value, const at::Tensor& shapes, const at::Tensor& starts, const at::Tensor& loc,
-           const at::Tensor& attn) {
-    TORCH_CHECK(value.dim() == 4 && value.is_contiguous(), "value must be contiguous [bs, K, heads, C]");
-    TORCH_CHECK(loc.dim() == 6 && loc.size(5) == 2 && loc.is_contiguous(), "bad sampling_locations");
-    TORCH_CHECK(attn.dim() == 5 && attn.is_contiguous(), "bad attention_weights");
-    TORCH_CHECK(loc.scalar_type() == value.scalar_type() && attn.scalar_type() == value.scalar_type(),
+Dims check_msda(const View& value, const View& shapes, const View& starts, const View& loc,
+           const View& attn) {
+    LK_CHECK(value.dim() == 4 && value.is_contiguous(), "value must be contiguous [bs, K, heads, C]");
+    LK_CHECK(loc.dim() == 6 && loc.size(5) == 2 && loc.is_contiguous(), "bad sampling_locations");
+    LK_CHECK(attn.dim() == 5 && attn.is_contiguous(), "bad attention_weights");
+    LK_CHECK(loc.scalar_type() == value.scalar_type() && attn.scalar_type() == value.scalar_type(),
                 "dtypes differ");
     Dims d{value.size(0), value.size(1), value.size(2), value.size(3), loc.size(1), loc.size(3), loc.size(4)};
-    TORCH_CHECK(loc.size(0) == d.bs && loc.size(2) == d.H, "sampling_locations shape");
-    TORCH_CHECK(attn.size(0) == d.bs && attn.size(1) == d.Lq && attn.size(2) == d.H && attn.size(3) == d.L &&
+    LK_CHECK(loc.size(0) == d.bs && loc.size(2) == d.H, "sampling_locations shape");
+    LK_CHECK(attn.size(0) == d.bs && attn.size(1) == d.Lq && attn.size(2) == d.H && attn.size(3) == d.L &&
                     attn.size(4) == d.P, "attention_weights shape");
     check_levels(shapes, starts, d.L, d.K);
     return d;
@@ -260,7 +254,7 @@ void forward_impl(const Dims& d, const T* __restrict value, const int64_t* shape
     const int64_t tasks = d.bs * d.Lq * d.H, C = NC > 0 ? NC : d.C, rowstride = d.H * C;
     const std::vector<T> zero(static_cast<size_t>(C), T(0));  // stands in for corners outside the map
     const bool ahead = beyond_cache<T>(d.K, rowstride);
-    at::parallel_for(0, tasks, 64, [&](int64_t begin, int64_t end) {
+    lk::parallel_for(0, tasks, 64, [&](int64_t begin, int64_t end) {
     std::vector<Corners<T>> cs(static_cast<size_t>(d.L * d.P));
     for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i / (d.Lq * d.H), h = i % d.H;
@@ -330,14 +324,14 @@ struct FusedDims {
     int64_t ps0, ps1, nlg;  // row strides of the projection [NQ, Q, features]; where its logits start
 };
 
-FusedDims check_fused(const at::Tensor& value, const at::Tensor& shapes, const at::Tensor& starts,
-                      const at::Tensor& ref, const at::Tensor& proj, bool per_level, int64_t queue) {
-    TORCH_CHECK(value.dim() == 4 && value.is_contiguous(), "value must be contiguous [NV, K, heads, C]");
-    TORCH_CHECK(queue >= 1 && value.size(0) % queue == 0, "value batches must be a multiple of queue");
-    TORCH_CHECK(ref.dim() == 4 && ref.size(3) == 2 && ref.is_contiguous(), "reference points must be [NV, Q, R, 2]");
-    TORCH_CHECK(proj.dim() == 3 && proj.stride(2) == 1, "projection must be [NQ, Q, features] with unit stride in features");
+FusedDims check_fused(const View& value, const View& shapes, const View& starts,
+                      const View& ref, const View& proj, bool per_level, int64_t queue) {
+    LK_CHECK(value.dim() == 4 && value.is_contiguous(), "value must be contiguous [NV, K, heads, C]");
+    LK_CHECK(queue >= 1 && value.size(0) % queue == 0, "value batches must be a multiple of queue");
+    LK_CHECK(ref.dim() == 4 && ref.size(3) == 2 && ref.is_contiguous(), "reference points must be [NV, Q, R, 2]");
+    LK_CHECK(proj.dim() == 3 && proj.stride(2) == 1, "projection must be [NQ, Q, features] with unit stride in features");
     const auto dt = value.scalar_type();
-    TORCH_CHECK(ref.scalar_type() == dt && proj.scalar_type() == dt, "dtypes differ");
+    LK_CHECK(ref.scalar_type() == dt && proj.scalar_type() == dt, "dtypes differ");
     FusedDims d{};
     d.T = queue;
     d.NQ = value.size(0) / queue;
@@ -348,14 +342,14 @@ FusedDims check_fused(const at::Tensor& value, const at::Tensor& shapes, const a
     d.L = shapes.dim() == 2 ? shapes.size(0) : 0;
     d.R = ref.size(2);
     d.per_level = per_level;
-    TORCH_CHECK(d.L > 0 && d.H > 0, "no levels or heads");
+    LK_CHECK(d.L > 0 && d.H > 0, "no levels or heads");
     const int64_t per_point = d.H * d.T * d.L;
-    TORCH_CHECK(proj.size(2) % (per_point * 3) == 0, "projection features must be heads*queue*levels*points*3");
+    LK_CHECK(proj.size(2) % (per_point * 3) == 0, "projection features must be heads*queue*levels*points*3");
     d.P = proj.size(2) / (per_point * 3);
     d.nlg = per_point * d.P * 2;
-    TORCH_CHECK(d.P > 0 && proj.size(0) == d.NQ, "projection shape");
-    TORCH_CHECK(ref.size(0) == d.NQ * d.T && ref.size(1) == d.Q, "reference points shape");
-    TORCH_CHECK(per_level ? d.R == d.L : (d.R > 0 && d.P % d.R == 0),
+    LK_CHECK(d.P > 0 && proj.size(0) == d.NQ, "projection shape");
+    LK_CHECK(ref.size(0) == d.NQ * d.T && ref.size(1) == d.Q, "reference points shape");
+    LK_CHECK(per_level ? d.R == d.L : (d.R > 0 && d.P % d.R == 0),
                 "reference points: one per level, or a number of anchors dividing the points");
     d.ps0 = proj.stride(0);
     d.ps1 = proj.stride(1);
@@ -379,7 +373,7 @@ void fused_forward_impl(const FusedDims& d, const T* __restrict value, const int
     const std::vector<T> zero(static_cast<size_t>(C), T(0));
     const T inv_queue = T(1) / static_cast<T>(d.T);
     const bool ahead = beyond_cache<T>(d.K, rowstride);
-    at::parallel_for(0, d.NQ * d.Q * d.H, 16, [&](int64_t begin, int64_t end) {
+    lk::parallel_for(0, d.NQ * d.Q * d.H, 16, [&](int64_t begin, int64_t end) {
     std::vector<T> a(static_cast<size_t>(LP));
     std::vector<Corners<T>> cs(static_cast<size_t>(LP));
     for (int64_t i = begin; i < end; ++i) {
@@ -454,12 +448,12 @@ void fused_backward_impl(const FusedDims& d, const T* __restrict value, const in
 
 }  // namespace
 
-void msda_forward(const at::Tensor& value, const at::Tensor& spatial_shapes, const at::Tensor& level_start,
-                  const at::Tensor& loc, const at::Tensor& attn, at::Tensor& out) {
-    const Dims d = check(value, spatial_shapes, level_start, loc, attn);
-    TORCH_CHECK(out.is_contiguous() && out.numel() == d.bs * d.Lq * d.H * d.C &&
+void msda_forward(const View& value, const View& spatial_shapes, const View& level_start,
+                  const View& loc, const View& attn, const View& out) {
+    const Dims d = check_msda(value, spatial_shapes, level_start, loc, attn);
+    LK_CHECK(out.is_contiguous() && out.numel() == d.bs * d.Lq * d.H * d.C &&
                     out.scalar_type() == value.scalar_type(), "bad output");
-    AT_DISPATCH_FLOATING_TYPES(value.scalar_type(), "loongkit_msda_forward", [&] {
+    LK_DISPATCH_FLOATING_TYPES(value.scalar_type(), "loongkit_msda_forward", [&] {
         with_channels(d.C, [&](auto nc) {
             forward_impl<scalar_t, decltype(nc)::value>(
                 d, value.data_ptr<scalar_t>(), spatial_shapes.data_ptr<int64_t>(), level_start.data_ptr<int64_t>(),
@@ -468,19 +462,19 @@ void msda_forward(const at::Tensor& value, const at::Tensor& spatial_shapes, con
     });
 }
 
-void msda_backward(const at::Tensor& value, const at::Tensor& spatial_shapes, const at::Tensor& level_start,
-                   const at::Tensor& loc, const at::Tensor& attn, const at::Tensor& grad_out,
-                   at::Tensor& grad_value, at::Tensor& grad_loc, at::Tensor& grad_attn) {
-    const Dims d = check(value, spatial_shapes, level_start, loc, attn);
-    TORCH_CHECK(grad_out.is_contiguous() && grad_out.numel() == d.bs * d.Lq * d.H * d.C &&
+void msda_backward(const View& value, const View& spatial_shapes, const View& level_start,
+                   const View& loc, const View& attn, const View& grad_out,
+                   const View& grad_value, const View& grad_loc, const View& grad_attn) {
+    const Dims d = check_msda(value, spatial_shapes, level_start, loc, attn);
+    LK_CHECK(grad_out.is_contiguous() && grad_out.numel() == d.bs * d.Lq * d.H * d.C &&
                     grad_out.scalar_type() == value.scalar_type(), "bad grad_output");
-    TORCH_CHECK(grad_value.is_contiguous() && grad_value.sizes() == value.sizes() &&
+    LK_CHECK(grad_value.is_contiguous() && grad_value.sizes() == value.sizes() &&
                     grad_value.scalar_type() == value.scalar_type(), "bad grad_value");
-    TORCH_CHECK(grad_loc.is_contiguous() && grad_loc.sizes() == loc.sizes() &&
+    LK_CHECK(grad_loc.is_contiguous() && grad_loc.sizes() == loc.sizes() &&
                     grad_loc.scalar_type() == value.scalar_type(), "bad grad_loc");
-    TORCH_CHECK(grad_attn.is_contiguous() && grad_attn.sizes() == attn.sizes() &&
+    LK_CHECK(grad_attn.is_contiguous() && grad_attn.sizes() == attn.sizes() &&
                     grad_attn.scalar_type() == value.scalar_type(), "bad grad_attn");
-    AT_DISPATCH_FLOATING_TYPES(value.scalar_type(), "loongkit_msda_backward", [&] {
+    LK_DISPATCH_FLOATING_TYPES(value.scalar_type(), "loongkit_msda_backward", [&] {
         with_channels(d.C, [&](auto nc) {
             backward_impl<scalar_t, decltype(nc)::value>(
                 d, value.data_ptr<scalar_t>(), spatial_shapes.data_ptr<int64_t>(), level_start.data_ptr<int64_t>(),
@@ -490,12 +484,12 @@ void msda_backward(const at::Tensor& value, const at::Tensor& spatial_shapes, co
     });
 }
 
-void msda_fused_forward(const at::Tensor& value, const at::Tensor& spatial_shapes, const at::Tensor& level_start,
-                        const at::Tensor& ref, const at::Tensor& proj, bool per_level, int64_t queue, at::Tensor& out) {
+void msda_fused_forward(const View& value, const View& spatial_shapes, const View& level_start,
+                        const View& ref, const View& proj, bool per_level, int64_t queue, const View& out) {
     const FusedDims d = check_fused(value, spatial_shapes, level_start, ref, proj, per_level, queue);
-    TORCH_CHECK(out.is_contiguous() && out.numel() == d.NQ * d.Q * d.H * d.C &&
+    LK_CHECK(out.is_contiguous() && out.numel() == d.NQ * d.Q * d.H * d.C &&
                     out.scalar_type() == value.scalar_type(), "bad output");
-    AT_DISPATCH_FLOATING_TYPES(value.scalar_type(), "loongkit_msda_fused_forward", [&] {
+    LK_DISPATCH_FLOATING_TYPES(value.scalar_type(), "loongkit_msda_fused_forward", [&] {
         with_channels(d.C, [&](auto nc) {
             fused_forward_impl<scalar_t, decltype(nc)::value>(
                 d, value.data_ptr<scalar_t>(), spatial_shapes.data_ptr<int64_t>(), level_start.data_ptr<int64_t>(),
@@ -504,18 +498,18 @@ void msda_fused_forward(const at::Tensor& value, const at::Tensor& spatial_shape
     });
 }
 
-void msda_fused_backward(const at::Tensor& value, const at::Tensor& spatial_shapes, const at::Tensor& level_start,
-                         const at::Tensor& ref, const at::Tensor& proj, bool per_level, int64_t queue,
-                         const at::Tensor& grad_out, at::Tensor& grad_value, at::Tensor& grad_proj) {
+void msda_fused_backward(const View& value, const View& spatial_shapes, const View& level_start,
+                         const View& ref, const View& proj, bool per_level, int64_t queue,
+                         const View& grad_out, const View& grad_value, const View& grad_proj) {
     const FusedDims d = check_fused(value, spatial_shapes, level_start, ref, proj, per_level, queue);
     const auto dt = value.scalar_type();
-    TORCH_CHECK(grad_out.is_contiguous() && grad_out.numel() == d.NQ * d.Q * d.H * d.C && grad_out.scalar_type() == dt,
+    LK_CHECK(grad_out.is_contiguous() && grad_out.numel() == d.NQ * d.Q * d.H * d.C && grad_out.scalar_type() == dt,
                 "bad grad_output");
-    TORCH_CHECK(grad_value.is_contiguous() && grad_value.sizes() == value.sizes() && grad_value.scalar_type() == dt,
+    LK_CHECK(grad_value.is_contiguous() && grad_value.sizes() == value.sizes() && grad_value.scalar_type() == dt,
                 "bad grad_value");
-    TORCH_CHECK(grad_proj.is_contiguous() && grad_proj.sizes() == proj.sizes() && grad_proj.scalar_type() == dt,
+    LK_CHECK(grad_proj.is_contiguous() && grad_proj.sizes() == proj.sizes() && grad_proj.scalar_type() == dt,
                 "bad grad_projection");
-    AT_DISPATCH_FLOATING_TYPES(dt, "loongkit_msda_fused_backward", [&] {
+    LK_DISPATCH_FLOATING_TYPES(dt, "loongkit_msda_fused_backward", [&] {
         with_channels(d.C, [&](auto nc) {
             fused_backward_impl<scalar_t, decltype(nc)::value>(
                 d, value.data_ptr<scalar_t>(), spatial_shapes.data_ptr<int64_t>(), level_start.data_ptr<int64_t>(),
@@ -525,4 +519,4 @@ void msda_fused_backward(const at::Tensor& value, const at::Tensor& spatial_shap
     });
 }
 
-}  // namespace loongkit
+}  // namespace loongkit::LK_ISA

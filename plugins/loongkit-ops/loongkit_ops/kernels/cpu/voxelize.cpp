@@ -15,40 +15,33 @@
 // the voxel keys in parallel, assigns ids in one sequential pass over an open-addressing hash map
 // sized by the number of points, then copies the points and zero-fills the unused slots of the
 // voxels that exist, in parallel.
-#include <ATen/Parallel.h>
-
-#include <cmath>
-#include <cstdint>
-#include <type_traits>
-#include <vector>
-
 #include "kernels.h"
 
-namespace loongkit {
+namespace loongkit::LK_ISA {
 namespace {
 
-struct Grid {
+struct VoxelGrid {
     float size[3];
     float lo[3];
     int64_t dim[3];  // x, y, z
 };
 
-Grid make_grid(const std::vector<double>& voxel_size, const std::vector<double>& coors_range) {
-    TORCH_CHECK(voxel_size.size() == 3 && coors_range.size() == 6, "voxel_size has 3 values, coors_range 6");
-    Grid g;
+VoxelGrid make_grid(const std::vector<double>& voxel_size, const std::vector<double>& coors_range) {
+    LK_CHECK(voxel_size.size() == 3 && coors_range.size() == 6, "voxel_size has 3 values, coors_range 6");
+    VoxelGrid g;
     for (int j = 0; j < 3; ++j) {
         g.size[j] = static_cast<float>(voxel_size[j]);
         g.lo[j] = static_cast<float>(coors_range[j]);
         const float extent = static_cast<float>(coors_range[3 + j]) - g.lo[j];
         g.dim[j] = static_cast<int64_t>(std::round(extent / g.size[j]));
-        TORCH_CHECK(g.dim[j] > 0, "empty voxel grid");
+        LK_CHECK(g.dim[j] > 0, "empty voxel grid");
     }
     return g;
 }
 
 // Linear key z*Y*X + y*X + x of point i (whose coordinates are (x, y, z) = p[0..2]), or -1.
 template <typename T>
-inline int64_t voxel_key(const T* p, const Grid& g, int32_t* zyx) {
+inline int64_t voxel_key(const T* p, const VoxelGrid& g, int32_t* zyx) {
     using A = typename std::conditional<std::is_same<T, double>::value, double, float>::type;
     int64_t c[3];
     for (int j = 0; j < 3; ++j) {
@@ -94,22 +87,35 @@ class VoxelMap {
     std::vector<int32_t> vals_;
 };
 
+// What the sequential pass decided; hard_voxelize_fill writes the outputs from it.
+struct HardPlan {
+    const void* points;
+    lk::Dtype dtype;
+    int64_t N, F, max_points;
+    VoxelGrid g;
+    std::vector<int64_t> voxel_keys;  // per voxel, in id order
+    std::vector<int32_t> count;       // points kept per voxel
+    std::vector<int64_t> dest;        // per point: voxel * max_points + slot, or -1
+};
+
 template <typename T>
-std::vector<at::Tensor> hard_impl(const at::Tensor& points, const Grid& g, int64_t max_points, int64_t max_voxels) {
-    const int64_t N = points.size(0), F = points.size(1);
-    const T* pts = points.data_ptr<T>();
+void plan_impl(HardPlan& plan, int64_t max_voxels) {
+    const int64_t N = plan.N, F = plan.F, max_points = plan.max_points;
+    const T* pts = static_cast<const T*>(plan.points);
+    const VoxelGrid& g = plan.g;
     std::vector<int64_t> key(static_cast<size_t>(N));
-    at::parallel_for(0, N, 4096, [&](int64_t b, int64_t e) {
+    lk::parallel_for(0, N, 4096, [&](int64_t b, int64_t e) {
         for (int64_t i = b; i < e; ++i) key[i] = voxel_key<T>(pts + i * F, g, nullptr);
     });
     // Sequential, in input order: this fixes voxel ids and which points each voxel keeps.
     const int64_t cap_voxels = std::min(N, max_voxels);
     VoxelMap map(cap_voxels);
-    std::vector<int64_t> voxel_keys;
+    std::vector<int64_t>& voxel_keys = plan.voxel_keys;
     voxel_keys.reserve(static_cast<size_t>(cap_voxels));
-    std::vector<int32_t> count;
+    std::vector<int32_t>& count = plan.count;
     count.reserve(static_cast<size_t>(cap_voxels));
-    std::vector<int64_t> dest(static_cast<size_t>(N));  // voxel * max_points + slot, or -1
+    std::vector<int64_t>& dest = plan.dest;
+    dest.resize(static_cast<size_t>(N));
     for (int64_t i = 0; i < N; ++i) {
         dest[i] = -1;
         const int64_t k = key[i];
@@ -127,15 +133,19 @@ std::vector<at::Tensor> hard_impl(const at::Tensor& points, const Grid& g, int64
         }
         if (count[v] < max_points) dest[i] = static_cast<int64_t>(v) * max_points + count[v]++;
     }
-    const int64_t M = static_cast<int64_t>(voxel_keys.size());
-    at::Tensor voxels = at::empty({M, max_points, F}, points.options());
-    at::Tensor coors = at::empty({M, 3}, points.options().dtype(at::kInt));
-    at::Tensor num = at::empty({M}, points.options().dtype(at::kInt));
-    T* vox = voxels.data_ptr<T>();
-    int32_t* co = coors.data_ptr<int32_t>();
-    int32_t* nu = num.data_ptr<int32_t>();
+}
+
+template <typename T>
+void fill_impl(const HardPlan& plan, T* vox, int32_t* co, int32_t* nu) {
+    const int64_t N = plan.N, F = plan.F, max_points = plan.max_points;
+    const int64_t M = static_cast<int64_t>(plan.voxel_keys.size());
+    const T* pts = static_cast<const T*>(plan.points);
+    const VoxelGrid& g = plan.g;
+    const std::vector<int64_t>& voxel_keys = plan.voxel_keys;
+    const std::vector<int32_t>& count = plan.count;
+    const std::vector<int64_t>& dest = plan.dest;
     const int64_t XY = g.dim[0] * g.dim[1];
-    at::parallel_for(0, M, 2048, [&](int64_t b, int64_t e) {
+    lk::parallel_for(0, M, 2048, [&](int64_t b, int64_t e) {
         for (int64_t v = b; v < e; ++v) {
             const int64_t k = voxel_keys[v];
             co[3 * v] = static_cast<int32_t>(k / XY);
@@ -146,48 +156,79 @@ std::vector<at::Tensor> hard_impl(const at::Tensor& points, const Grid& g, int64
             std::fill(row + count[v] * F, row + max_points * F, T(0));  // zero padding
         }
     });
-    at::parallel_for(0, N, 4096, [&](int64_t b, int64_t e) {
+    lk::parallel_for(0, N, 4096, [&](int64_t b, int64_t e) {
         for (int64_t i = b; i < e; ++i) {
             if (dest[i] < 0) continue;
             std::copy(pts + i * F, pts + (i + 1) * F, vox + dest[i] * F);
         }
     });
-    return {voxels, coors, num};
+}
+
+void check_points(const View& points) {
+    LK_CHECK(points.dim() == 2 && points.size(1) >= 3 && points.is_contiguous(),
+             "points must be a contiguous CPU tensor [N, >=3]");
+}
+
+HardPlan* plan_of(int64_t handle) {
+    LK_CHECK(handle != 0, "no voxelization plan");
+    return reinterpret_cast<HardPlan*>(static_cast<intptr_t>(handle));
 }
 
 }  // namespace
 
-std::vector<at::Tensor> hard_voxelize(const at::Tensor& points, const std::vector<double>& voxel_size,
-                                      const std::vector<double>& coors_range, int64_t max_points,
-                                      int64_t max_voxels) {
-    TORCH_CHECK(points.device().is_cpu() && points.dim() == 2 && points.size(1) >= 3 && points.is_contiguous(),
-                "points must be a contiguous CPU tensor [N, >=3]");
-    TORCH_CHECK(max_points >= 0 && max_voxels >= 0, "max_points and max_voxels must be >= 0");
-    const Grid g = make_grid(voxel_size, coors_range);
-    std::vector<at::Tensor> out;
-    AT_DISPATCH_FLOATING_TYPES_AND_HALF(points.scalar_type(), "loongkit_hard_voxelize", [&] {
-        out = hard_impl<scalar_t>(points, g, max_points, max_voxels);
+int64_t hard_voxelize_plan(const View& points, const std::vector<double>& voxel_size,
+                           const std::vector<double>& coors_range, int64_t max_points, int64_t max_voxels) {
+    check_points(points);
+    LK_CHECK(max_points >= 0 && max_voxels >= 0, "max_points and max_voxels must be >= 0");
+    auto plan = std::make_unique<HardPlan>();
+    plan->points = points.data_ptr();
+    plan->dtype = points.scalar_type();
+    plan->N = points.size(0);
+    plan->F = points.size(1);
+    plan->max_points = max_points;
+    plan->g = make_grid(voxel_size, coors_range);
+    LK_DISPATCH_FLOATING_TYPES_AND_HALF(points.scalar_type(), "loongkit_hard_voxelize", [&] {
+        plan_impl<scalar_t>(*plan, max_voxels);
     });
-    return out;
+    return static_cast<int64_t>(reinterpret_cast<intptr_t>(plan.release()));
 }
 
-at::Tensor dynamic_voxelize(const at::Tensor& points, const std::vector<double>& voxel_size,
-                            const std::vector<double>& coors_range) {
-    TORCH_CHECK(points.device().is_cpu() && points.dim() == 2 && points.size(1) >= 3 && points.is_contiguous(),
-                "points must be a contiguous CPU tensor [N, >=3]");
-    const Grid g = make_grid(voxel_size, coors_range);
+int64_t hard_voxelize_voxels(int64_t handle) { return static_cast<int64_t>(plan_of(handle)->voxel_keys.size()); }
+
+void hard_voxelize_fill(int64_t handle, const View& voxels, const View& coors, const View& num_points) {
+    std::unique_ptr<HardPlan> plan(plan_of(handle));  // freed whatever happens
+    const int64_t M = static_cast<int64_t>(plan->voxel_keys.size());
+    LK_CHECK(voxels.is_contiguous() && voxels.dim() == 3 && voxels.size(0) == M && voxels.size(1) == plan->max_points &&
+                 voxels.size(2) == plan->F && voxels.scalar_type() == plan->dtype,
+             "voxels must be contiguous [M, max_points, F] of the points' dtype");
+    LK_CHECK(coors.is_contiguous() && coors.dim() == 2 && coors.size(0) == M && coors.size(1) == 3 &&
+                 coors.scalar_type() == lk::kInt, "coors must be contiguous int32 [M, 3]");
+    LK_CHECK(num_points.is_contiguous() && num_points.numel() == M && num_points.scalar_type() == lk::kInt,
+             "num_points must be contiguous int32 [M]");
+    LK_DISPATCH_FLOATING_TYPES_AND_HALF(plan->dtype, "loongkit_hard_voxelize", [&] {
+        fill_impl<scalar_t>(*plan, voxels.data_ptr<scalar_t>(), coors.data_ptr<int32_t>(),
+                            num_points.data_ptr<int32_t>());
+    });
+}
+
+void hard_voxelize_discard(int64_t handle) { delete plan_of(handle); }
+
+void dynamic_voxelize_into(const View& points, const std::vector<double>& voxel_size,
+                      const std::vector<double>& coors_range, const View& coors) {
+    check_points(points);
+    const VoxelGrid g = make_grid(voxel_size, coors_range);
     const int64_t N = points.size(0), F = points.size(1);
-    at::Tensor coors = at::empty({N, 3}, points.options().dtype(at::kInt));
+    LK_CHECK(coors.is_contiguous() && coors.dim() == 2 && coors.size(0) == N && coors.size(1) == 3 &&
+                 coors.scalar_type() == lk::kInt, "coors must be contiguous int32 [N, 3]");
     int32_t* co = coors.data_ptr<int32_t>();
-    AT_DISPATCH_FLOATING_TYPES_AND_HALF(points.scalar_type(), "loongkit_dynamic_voxelize", [&] {
+    LK_DISPATCH_FLOATING_TYPES_AND_HALF(points.scalar_type(), "loongkit_dynamic_voxelize", [&] {
         const scalar_t* pts = points.data_ptr<scalar_t>();
-        at::parallel_for(0, N, 4096, [&](int64_t b, int64_t e) {
+        lk::parallel_for(0, N, 4096, [&](int64_t b, int64_t e) {
             for (int64_t i = b; i < e; ++i) {
                 if (voxel_key<scalar_t>(pts + i * F, g, co + 3 * i) < 0) co[3 * i] = co[3 * i + 1] = co[3 * i + 2] = -1;
             }
         });
     });
-    return coors;
 }
 
-}  // namespace loongkit
+}  // namespace loongkit::LK_ISA

@@ -1,0 +1,10 @@
+// The loongkit-data CPU kernels, compiled for AVX-512 F/CD/BW/DQ/VL (x86-64-v4), into loongkit::avx512 (see
+// loongkit/kernel_isa_begin.h); the library picks this build at run time.
+#define LK_ISA avx512
+#include <loongkit/kernel_isa_begin.h>
+
+#include "kernels.cpp"
+
+#include <loongkit/kernel_isa_end.h>
+
+#include "functions.h"
