@@ -85,7 +85,7 @@ def test_tune_chooses_the_worker_count_and_excludes_the_planted(tmp_path: Path) 
     assert ranked["ALL=1"]["status"] == "excluded"
     assert ranked["ALL=1"]["reason"] == "crashed: exit code 1 (RuntimeError: planted crash under LOONGKIT_ALL=1)"
     assert ranked["ALL=2"]["status"] == "excluded" and ranked["ALL=2"]["reason"].startswith("changes results")
-    assert "export LOONGKIT_DATALOADER_WORKERS_COUNT=2" in stdout and "<- winner" in stdout
+    assert "export LOONGKIT_DATALOADER_WORKERS_COUNT=2" in stdout and " winner " in stdout
     assert (tmp_path / "out" / "tune.png").exists() or "matplotlib not installed" in stdout
 
 

@@ -93,6 +93,15 @@ def test_halve_drops_the_clearly_slower_keeps_the_close() -> None:
     assert {s.key for s in dropped} == {"c", "d"}
     assert all(s.status == DROPPED for s in dropped) and "slower than a" in dropped[0].reason
     assert [s.key for s in ranking.leaders(rows)] == ["a", "b"]
+    # A noisy machine (13 %): 30 % behind in the faster half stays; the slower half goes beyond the noise.
+    rows = [standing("a", [0.100]), standing("b", [0.130]), standing("c", [0.140]), standing("d", [0.200])]
+    for r in rows:
+        r.status = OK
+    assert {s.key for s in ranking.halve(rows, 0.13)} == {"c", "d"}
+    rows = [standing("a", [0.100]), standing("b", [0.130]), standing("c", [0.140])]
+    for r in rows:
+        r.status = OK
+    assert ranking.halve(rows, 0.5) == []  # everything inside the noise stays in the race
 
 
 def test_choose_needs_more_than_the_noise() -> None:

@@ -59,8 +59,10 @@ def test_the_planted_fastest_is_chosen_and_the_bad_ones_are_excluded(
     # The report: ranked table, paste-ready lines, JSON.
     lines = out.splitlines()
     top = next(i for i, line in enumerate(lines) if line.startswith("1 "))
-    assert "45.0 ms" in lines[top] and "2.22x" in lines[top] and "<- winner" in lines[top]
-    assert "excluded: crashed: exit code 1 (RuntimeError: planted crash)" in out
+    assert "45.0 ms" in lines[top] and "2.22x" in lines[top] and " winner " in lines[top]
+    crashed = next(line for line in lines if "jemalloc" in line)
+    assert crashed.startswith("- ") and " excluded " in crashed
+    assert crashed.endswith("<- crashed: exit code 1 (RuntimeError: planted crash)")
     assert ("export LOONGKIT_ALL=2\nexport LOONGKIT_DATALOADER_WORKERS=1\n"
             "export LOONGKIT_DATALOADER_WORKERS_COUNT=3") in out
     assert '  - name: LOONGKIT_DATALOADER_WORKERS_COUNT\n    value: "3"' in out

@@ -7,9 +7,10 @@
   deep one for level 2-3). The loss check only runs when the job prints losses and two baseline
   runs agree with each other (a job that is not reproducible cannot show a setting changed it).
 * The noise is the larger of a floor, the spread between the baseline's own trials and the
-  standard error of a trial's median step (from its p90); "clearly slower" is more than twice the
-  noise behind the leader; the winner must beat the baseline by more than the noise, else the
-  job's own configuration stays.
+  standard error of a trial's median step (from its p90); successive halving drops the slower half
+  of the candidates unless they are inside the noise of the leader, and anything more than three
+  times the noise behind; the winner must beat the baseline by more than the noise, else the job's
+  own configuration stays.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from loongkit_monitor.tune.space import BASELINE, Candidate
 from loongkit_monitor.tune.trial import TrialResult
 
 NOISE_FLOOR = 0.02  # 2 %: below this, differences between fresh processes are not worth a setting
+CLEAR = 3.0  # behind the leader by more than CLEAR x the noise: dropped whatever the halving keeps
 OK, EXCLUDED, DROPPED, NOT_TRIED, BUDGET = "ok", "excluded", "dropped", "not tried", "budget"
 
 
@@ -181,8 +183,10 @@ def halve(standings: Sequence[Standing], level_noise: float, keep_fraction: floa
     dropped = []
     for i, s in enumerate(ranked):
         behind = (s.median or math.inf) / best - 1
-        # Inside the noise of the leader a candidate is not "clearly slower": it stays.
-        if behind > 2 * level_noise or (i >= keep and behind > level_noise):
+        # "Clearly slower" is beyond three times the noise: the noise comes from two or three baseline
+        # trials and one trial of each, so a tighter cut drops equal candidates on a loaded machine.
+        # The slower half goes too, unless it is inside the noise of the leader.
+        if behind > CLEAR * level_noise or (i >= keep and behind > level_noise):
             s.status = DROPPED
             s.reason = f"{behind:.0%} slower than {ranked[0].key} after {len(s.good)} trial(s)"
             dropped.append(s)

@@ -14,7 +14,7 @@ from loongkit_monitor.tune.ranking import BUDGET, DROPPED, EXCLUDED, NOT_TRIED, 
 from loongkit_monitor.tune.search import Outcome
 
 WIDTH = 100
-COLUMNS = ("#", "median step", "speed-up", "spread", "data wait", "trials", "settings")
+COLUMNS = ("#", "median step", "speed-up", "spread", "data wait", "trials", "status", "settings")
 
 
 def ranked(outcome: Outcome) -> list[Standing]:
@@ -39,14 +39,16 @@ def _share(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
 
 
-def _note(s: Standing, outcome: Outcome) -> str:
+def _status(s: Standing, outcome: Outcome) -> str:
     if outcome.verdict.winner is s:
-        return "<- winner"
+        return "winner"
     if s is outcome.baseline:
-        return "(the job as it is)"
-    if s.status == OK:
-        return ""
-    return f"{s.status}: {s.reason}" if s.reason else s.status
+        return "baseline"
+    return s.status
+
+
+def _note(s: Standing, outcome: Outcome) -> str:
+    return s.reason if s.status != OK and s is not outcome.baseline else ""
 
 
 def row(s: Standing, outcome: Outcome) -> tuple[str, ...]:
@@ -59,27 +61,31 @@ def row(s: Standing, outcome: Outcome) -> tuple[str, ...]:
         ("-" if not trials else "1 trial") if spread is None else f"±{spread / 2:.1%}",
         _share(s.data_wait),
         f"{trials}/{len(s.trials)}" if s.trials else "0",
+        _status(s, outcome),
         s.candidate.settings if s is not outcome.baseline else "(monitor only)",
     )
 
 
 def render_table(outcome: Outcome) -> str:
+    """The ranked table: '#' numbers the candidates still in the race and the baseline, fastest
+    first; the dropped, excluded and untried follow with their reason after the settings."""
     rows = ranked(outcome)
-    cells = [COLUMNS, *((str(i + 1), *row(s, outcome)) for i, s in enumerate(rows))]
+    numbered = [s for s in rows if s.status == OK or s is outcome.baseline]
+    cells = [COLUMNS, *((str(numbered.index(s) + 1) if s in numbered else "-", *row(s, outcome)) for s in rows)]
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS) - 1)]
     lines = ["=" * WIDTH, f"loongkit tune: {outcome.trials} trials in {clock_text(outcome.elapsed_s)} "
                           f"(budget {clock_text(outcome.budget_s)}), ranked by the monitor's median warm step",
              "-" * WIDTH]
     for i, cell in enumerate(cells):
-        text = "  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(cell, widths, strict=False)))
-        text += "  " + cell[-1]
-        note = _note(rows[i - 1], outcome) if i else "note"
-        lines.append(f"{text}  {note}".rstrip() if i else f"{text}  {note}")
+        text = "  ".join(c.ljust(w) if j in (0, len(widths) - 1) else c.rjust(w)
+                         for j, (c, w) in enumerate(zip(cell, widths, strict=False)))
+        note = _note(rows[i - 1], outcome) if i else ""
+        lines.append(f"{text}  {cell[-1]}" + (f"  <- {note}" if note else ""))
         if i == 0:
             lines.append("-" * WIDTH)
     lines.append("-" * WIDTH)
-    lines.append(f"noise: {outcome.noise:.1%} (spread of the baseline's trials, floor 2 %); "
-                 f"spread: ± half the range of a candidate's trial medians")
+    lines.append(f"noise: {outcome.noise:.1%} (the larger of the spread of the baseline's trials, a trial's own "
+                 "error and 2 %); spread: ± half the range of a candidate's trial medians")
     lines.append(f"losses: {outcome.reproducible.text}")
     lines.extend(f"not tried: {k.label}: {k.reason}" for k in outcome.skipped)
     lines.extend(f"note: {n}" for n in outcome.facts.notes)
