@@ -79,30 +79,22 @@ class DonatedBufferFix(FeatureImpl):
         original = ddp_optimizer.compile_fn
         state: dict[str, Any] = {"donated_buffer_before": None, "switched_off": False}
         ctx.set_config(state)
-        record = ctx.record
+        count = ctx.count
 
         def compile_fn(self: Any, *args: Any, **kwargs: Any) -> Any:
             if fconfig.donated_buffer:
-                state["donated_buffer_before"] = True
-                fconfig.donated_buffer = False
+                # Through the patcher: the default deactivate puts the flag back as it was.
+                state["donated_buffer_before"] = ctx.patcher.assign(fconfig, "donated_buffer", False)
                 state["switched_off"] = True
                 ctx.log.warning("DDPOptimizer is compiling a DDP model: torch._functorch.config.donated_buffer "
                                 "switched off (pytorch#160745)")
-            record.calls += 1
+            count()
             return original(self, *args, **kwargs)
 
         compile_fn.__wrapped__ = original  # type: ignore[attr-defined]
         ctx.patcher.patch(ddp_optimizer, "compile_fn", compile_fn)
-        self._state, self._fconfig = state, fconfig
         ctx.log.info("donated_buffer fix armed on DDPOptimizer.compile_fn",
                      donated_buffer=bool(fconfig.donated_buffer))
-
-    def deactivate(self, ctx: ActivationContext) -> None:
-        state = getattr(self, "_state", None)
-        if state is not None and state["switched_off"]:
-            self._fconfig.donated_buffer = state["donated_buffer_before"]
-            state["switched_off"] = False
-        super().deactivate(ctx)
 
 
 class DynamicShapeFix(FeatureImpl):
@@ -127,12 +119,6 @@ class DynamicShapeFix(FeatureImpl):
         "torch._inductor.config": ("triton.coalesce_tiling_analysis", "coalesce_tiling_analysis"),
     }
 
-    def __init__(self, feature: Any) -> None:
-        super().__init__(feature)
-        self.config: dict[str, str] = {}
-        self._restore: list[tuple[Any, str, Any]] = []
-        self._callback: Any = None
-
     def activate(self, ctx: ActivationContext, target: str | None) -> None:
         if target not in self.FLAGS:
             raise NotApplicable(f"unexpected target {target!r}")
@@ -145,56 +131,50 @@ class DynamicShapeFix(FeatureImpl):
             if owner is None:
                 break
         if owner is None or not hasattr(owner, attr):
-            self._restore_flags()  # all or nothing: undo what an earlier target switched
+            # All or nothing: the runtime's undo of this activation restores what an earlier target switched.
             raise NotApplicable(f"{target} has no {path}: not the torch 2.9 layout this fix targets")
-        ctx.set_config(self.config)
+        config = ctx.config if isinstance(ctx.config, dict) else {}  # both targets report into one dict
+        ctx.set_config(config)
         value = getattr(owner, attr)
         if label == "coalesce_tiling_analysis" and os.environ.get("TORCHINDUCTOR_COALESCE_TILING_ANALYSIS"):
-            self.config[label] = "kept (TORCHINDUCTOR_COALESCE_TILING_ANALYSIS set by user)"
+            config[label] = "kept (TORCHINDUCTOR_COALESCE_TILING_ANALYSIS set by user)"
         elif value:
-            self._restore.append((owner, attr, value))
-            setattr(owner, attr, False)
-            self.config[label] = "off"
+            ctx.patcher.assign(owner, attr, False)
+            config[label] = "off"
+            self._count_compiles(ctx)
         else:
-            self.config[label] = "already off"
+            config[label] = "already off"
         ctx.log.info("dynamic shape fix", flag=f"{target}.{path}", was=value, now=getattr(owner, attr))
-        self._count_compiles(ctx)
 
     def _count_compiles(self, ctx: ActivationContext) -> None:
         """The '*' means a compile ran with the fix in place (dynamo's compile-start callback)."""
-        if self._callback is not None or not self._restore:
+        if vars(self).get("_counting") is not None:
             return
-        record = ctx.record
+        ctx.patcher.patch(self, "_counting", True, require=False)  # once per activation, forgotten at undo
+        live = [True]  # cleared at undo: a registration still pending then must not happen
+        ctx.patcher.defer(live.clear)
+        count = ctx.count
 
         def started(*args: Any, **kwargs: Any) -> None:
-            record.calls += 1
+            count()
 
         def register(module: Any) -> None:
+            if not live:
+                return
             handler = getattr(module, "callback_handler", None)
             if handler is None or not hasattr(handler, "register_start_callback"):
-                ctx.mark_active()  # no callback API to count with: the switched flag is all there is
+                count()  # no callback API to count with: the switched flag is all there is
                 return
             handler.register_start_callback(started)
-            self._callback = (handler, started)
 
-        self._callback = ()  # registration pending (torch._dynamo.callback may still be importing)
+            def remove() -> None:
+                try:
+                    handler.remove_start_callback(started)
+                except (ValueError, AttributeError):  # torch._dynamo.reset() dropped it already
+                    pass
+
+            ctx.patcher.defer(remove)
+
         # Registered once torch._dynamo.callback has finished importing: the config module is
         # imported from inside torch._dynamo's own import, where pulling in more of it is unsafe.
         ctx.on_import("torch._dynamo.callback", register)
-
-    def _restore_flags(self) -> None:
-        while self._restore:
-            owner, attr, value = self._restore.pop()
-            setattr(owner, attr, value)
-
-    def deactivate(self, ctx: ActivationContext) -> None:
-        self._restore_flags()
-        if self._callback:
-            handler, fn = self._callback
-            try:
-                handler.remove_start_callback(fn)
-            except (ValueError, AttributeError):
-                pass
-            self._callback = None
-        self.config.clear()
-        super().deactivate(ctx)

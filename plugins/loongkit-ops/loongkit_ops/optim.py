@@ -179,11 +179,11 @@ class FusedAdamBase(FeatureImpl):
         optimizer.defaults["fused"] = True
         optimizer._step_supports_amp_scaling = True
         setattr(optimizer, MARK, self.feature.name)
-        record = ctx.record
+        count = ctx.count
 
         def stepped(opt: Any, args: Any, kwargs: Any) -> None:
             if getattr(opt, MARK, None) is not None:
-                record.calls += 1  # the Summary's '*': a fused step ran
+                count()  # the Summary's '*': a fused step ran
 
         def saving(opt: Any, state_dict: dict[str, Any]) -> None:
             if getattr(opt, MARK, None) is not None:

@@ -280,6 +280,15 @@ def test_hf_acc_fa2_attention_interface_kept_out_of_graph(runtime: Callable[...,
     torch.testing.assert_close(torch.compile(layer, backend=backend)(q), layer(q))
     assert captured and not any("softmax" in t for t in captured)  # ran outside the graph
     assert "outside the compiled graph" in record.config["fa2_disabled"]
+    accelerator = accelerate_state.Accelerator
+    patched = {k: vars(accelerator)[k] for k in ("__init__", "prepare_model")}
+    rt.deactivate("hf_acc_compile")  # the default deactivate: ctx.patcher.undo()
+    assert mapping["flash_attention_2"] is flash_stand_in
+    assert all(vars(accelerator)[k] is getattr(v, "__wrapped__", None) for k, v in patched.items())
+    assert len(rt.contexts["hf_acc_compile"].patcher) == 0
+    rt.activate(record, "accelerate")  # and again
+    assert mapping["flash_attention_2"] is not flash_stand_in
+    assert vars(accelerator)["__init__"] is not patched["__init__"].__wrapped__
     rt.deactivate("hf_acc_compile")
     assert mapping["flash_attention_2"] is flash_stand_in
 

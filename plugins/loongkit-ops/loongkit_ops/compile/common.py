@@ -167,6 +167,9 @@ class Compiler:
         self._groups: dict[str, Callable[..., Any]] = {}
         self._modules: weakref.WeakSet[Any] = weakref.WeakSet()
         self._feature = ctx.feature.name
+        # Modules are compiled in place (their _compiled_call_impl slot) and held weakly, not through
+        # the patcher (which would keep every model alive): the feature's undo runs uncompile.
+        ctx.patcher.defer(self.uncompile)
 
     # -- installing ------------------------------------------------------------------------------
     def _group_entry(self, group: str) -> Callable[..., Any]:
@@ -306,7 +309,7 @@ class Compiler:
 
     # -- undo ------------------------------------------------------------------------------------
     def uncompile(self) -> None:
-        """Give every module this compiler compiled its eager call back (deactivate)."""
+        """Give every module this compiler compiled its eager call back (at the feature's undo)."""
         for module in list(self._modules):
             impl = module.__dict__.get("_compiled_call_impl")
             if impl is not None and getattr(impl, MARK, None) == self._feature:

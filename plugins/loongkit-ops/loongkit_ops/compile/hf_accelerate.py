@@ -50,7 +50,7 @@ class HFAccCompile(FeatureImpl):
         accelerator = getattr(module, "Accelerator", None)
         if not isinstance(accelerator, type) or not callable(getattr(accelerator, "prepare_model", None)):
             raise NotApplicable("accelerate has no Accelerator.prepare_model")
-        compiler = self.compiler = Compiler(ctx, extra={"switched_on": 0, "user_backend": None, "fa2_disabled": None})
+        compiler = Compiler(ctx, extra={"switched_on": 0, "user_backend": None, "fa2_disabled": None})
         config = compiler.config
         original_init = accelerator.__init__
         original_prepare = accelerator.prepare_model
@@ -81,7 +81,8 @@ class HFAccCompile(FeatureImpl):
         prepare_model.__wrapped__ = original_prepare  # type: ignore[attr-defined]
         ctx.patcher.patch(accelerator, "__init__", __init__)
         ctx.patcher.patch(accelerator, "prepare_model", prepare_model)
-        token = self._token = object()
+        token = object()
+        ctx.patcher.patch(self, "_token", token)  # None again at undo: a pending import hook then does nothing
         if transformers_affected():
             ctx.on_import("transformers.modeling_utils",
                           lambda mod: self._disable_fa2(ctx, mod, config) if self._token is token else None)
@@ -99,16 +100,7 @@ class HFAccCompile(FeatureImpl):
             config["fa2_disabled"] = config["fa2_disabled"] or "no flash_attention_2 entry in AttentionInterface"
             return
         wrapped = torch.compiler.disable(original)
-        mapping[FA2_KEY] = wrapped
-        self._fa2 = (mapping, original, wrapped)
+        ctx.patcher.set_item(mapping, FA2_KEY, wrapped)
+        ctx.patcher.patch(self, "_fa2", (mapping, original, wrapped))
         config["fa2_disabled"] = "flash_attention_2 attention_interface runs outside the compiled graph"
         ctx.log.info("flash_attention_2 attention_interface excluded from compilation (transformers 4.57)")
-
-    def deactivate(self, ctx: ActivationContext) -> None:
-        self._token = None
-        if self._fa2 is not None:
-            mapping, original, wrapped = self._fa2
-            if mapping.get(FA2_KEY) is wrapped:
-                mapping[FA2_KEY] = original
-            self._fa2 = None
-        super().deactivate(ctx)

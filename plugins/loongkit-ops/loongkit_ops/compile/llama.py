@@ -35,12 +35,6 @@ class CompileLlama(FeatureImpl):
             raise NotApplicable(f"{target} has no {CLASS} nn.Module class")
         if "__init__" not in cls.__dict__:
             raise NotApplicable(f"{target}.{CLASS} defines no __init__")
-        compiler = self.compiler = Compiler(ctx)
+        compiler = Compiler(ctx)  # its layers go back to eager at the feature's undo
         after_init(ctx, cls, compiler, lambda layer: compiler.compile_module(layer, CLASS, group=CLASS))
         ctx.log.info("Llama decoder layers will be compiled at construction", cls=f"{target}.{CLASS}")
-
-    def deactivate(self, ctx: ActivationContext) -> None:
-        compiler = getattr(self, "compiler", None)
-        if compiler is not None:
-            compiler.uncompile()
-        super().deactivate(ctx)

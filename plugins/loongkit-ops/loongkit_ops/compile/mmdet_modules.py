@@ -58,7 +58,7 @@ class CompileMMDetModules(FeatureImpl):
             raise NotApplicable(f"{target}.MODELS is not an mmcv 1.x Registry (module_dict/_register_module)")
         options = ctx.config if isinstance(ctx.config, MMDetModulesOptions) else MMDetModulesOptions()
         names = options.names
-        compiler = self.compiler = Compiler(ctx, extra={"filter": list(names), "patched": []})
+        compiler = Compiler(ctx, extra={"filter": list(names), "patched": []})  # eager again at undo
         patched: set[type] = set()
 
         def patch_class(name: str, cls: Any) -> None:
@@ -89,9 +89,3 @@ class CompileMMDetModules(FeatureImpl):
             patch_class(name, cls)
         missing = [n for n in names if n not in module_dict]
         ctx.log.info("mmdet modules filter armed", filter=list(names), registered_later=missing)
-
-    def deactivate(self, ctx: ActivationContext) -> None:
-        compiler = getattr(self, "compiler", None)
-        if compiler is not None:
-            compiler.uncompile()
-        super().deactivate(ctx)

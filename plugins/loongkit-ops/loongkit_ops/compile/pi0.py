@@ -42,7 +42,7 @@ class CompilePi0(FeatureImpl):
         if "__init__" not in cls.__dict__ or "forward" not in cls.__dict__:
             raise NotApplicable(f"{target}.{CLASS} defines no __init__/forward")
         if self.compiler is None:  # both targets (lerobot and openpi) report into one Summary config
-            self.compiler = Compiler(ctx)
+            ctx.patcher.patch(self, "compiler", Compiler(ctx))  # forgotten (and its modules eager) at undo
         compiler = self.compiler
         group = f"{target}.{CLASS}"
 
@@ -54,9 +54,3 @@ class CompilePi0(FeatureImpl):
 
         after_init(ctx, cls, compiler, step)
         ctx.log.info("pi0 policy forward will be compiled at construction", cls=group)
-
-    def deactivate(self, ctx: ActivationContext) -> None:
-        if self.compiler is not None:
-            self.compiler.uncompile()
-            self.compiler = None
-        super().deactivate(ctx)

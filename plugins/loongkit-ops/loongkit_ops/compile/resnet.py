@@ -43,8 +43,7 @@ class CompileResNet(FeatureImpl):
             raise NotApplicable(f"{target} has no ResNet nn.Module class")
         if "__init__" not in cls.__dict__:
             raise NotApplicable(f"{target}.ResNet defines no __init__")
-        compiler = Compiler(ctx)
-        self.compiler = compiler
+        compiler = Compiler(ctx)  # its modules go back to eager at the feature's undo
         after_init(ctx, cls, compiler, lambda resnet: self.compile_stages(compiler, resnet))
         ctx.log.info("ResNet stages will be compiled at construction", cls=f"{target}.ResNet")
 
@@ -66,9 +65,3 @@ class CompileResNet(FeatureImpl):
                 compiler.keep_eager(label, "with_cp (reentrant checkpoint kept eager)")
             else:
                 compiler.compile_module(stage, label, group=label)
-
-    def deactivate(self, ctx: ActivationContext) -> None:
-        compiler = getattr(self, "compiler", None)
-        if compiler is not None:
-            compiler.uncompile()
-        super().deactivate(ctx)

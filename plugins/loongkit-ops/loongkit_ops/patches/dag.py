@@ -4,7 +4,7 @@ Users vendor Sparse4D as ``projects/mmdet3d_plugin`` and its ``DeformableFeature
 registers itself (``@ATTENTION.register_module()`` on mmcv 1.x, ``MODELS`` on mmengine). The
 feature wraps the registries' ``_register_module`` (:mod:`.registry`); when a class of that
 name is registered, its interface is checked and its ``forward`` replaced (class attribute, undone
-on deactivation).
+by the default deactivation, as the registry subscription is).
 
 Upstream's forward has two aggregation paths, and the patched forward keeps each one's maths:
 - ``use_deformable_func=True`` (CUDA extension): ``DAF(mc_ms_feat, spatial_shape,
@@ -33,9 +33,8 @@ import sys
 from typing import Any
 
 from loongkit_core.context import ActivationContext
-from loongkit_core.feature import State
 from loongkit_core.kit import FeatureImpl
-from loongkit_ops.patches.registry import stop, watch_registrations
+from loongkit_ops.patches.registry import watch_registrations
 
 CLASS_NAME = "DeformableFeatureAggregation"
 FORWARD_PARAMS = ["self", "instance_feature", "anchor", "anchor_embed", "feature_maps", "metas", "kwargs"]
@@ -147,9 +146,14 @@ class SparseDAG(FeatureImpl):
     def activate(self, ctx: ActivationContext, target: str | None) -> None:
         assert target is not None
         from loongkit_ops import kernels
-        patched: dict[type, str] = getattr(self, "_patched", {})
-        self._patched = patched
-        record = ctx.record
+
+        # Shared by both registry targets (mmengine's and mmcv 1.x's); forgotten at undo, so a later
+        # activation checks and patches every class again.
+        patched: dict[type, str] | None = vars(self).get("_patched")
+        if patched is None:
+            patched = {}
+            ctx.patcher.patch(self, "_patched", patched, require=False)
+        details = ctx.record.details  # read only: the JSON's lists are written through ctx.detail
 
         def on_class(cls: type) -> None:
             if cls.__name__ != CLASS_NAME or cls in patched:
@@ -162,20 +166,19 @@ class SparseDAG(FeatureImpl):
             where = f"{cls.__module__}.{cls.__qualname__}"
             if problem:
                 patched[cls] = problem
-                ctx.detail("skipped", {**record.details.get("skipped", {}), where: problem})  # type: ignore[dict-item]
+                ctx.detail("skipped", {**details.get("skipped", {}), where: problem})  # type: ignore[dict-item]
                 if not any(v == "patched" for v in patched.values()):
-                    record.state, record.reason = State.NOT_APPLICABLE, problem
+                    ctx.not_applicable(problem)
                 ctx.log.warning("DeformableFeatureAggregation left unpatched", cls=where, reason=problem)
                 return
             self._patch(ctx, cls)
             patched[cls] = "patched"
-            if record.state == State.NOT_APPLICABLE:  # an earlier class differed; this one is patched
-                record.state, record.reason = State.APPLIED, ""
-            ctx.detail("patched", [*record.details.get("patched", []), where])  # type: ignore[misc]
+            ctx.applied()  # an earlier class may have differed; this one is patched
+            done = list(details.get("patched", []))  # type: ignore[call-overload]
+            ctx.detail("patched", done if where in done else [*done, where])  # once, however often activated
             ctx.log.info("DeformableFeatureAggregation uses the fused deformable aggregation", cls=where)
 
-        # one subscription per target registry module (mmengine's and mmcv 1.x's)
-        self.__dict__.setdefault("_subscriptions", []).append(watch_registrations(ctx, sys.modules[target], on_class))
+        watch_registrations(ctx, sys.modules[target], on_class)  # ends at ctx.patcher.undo()
         ctx.set_config({CLASS_NAME: "loongkit::deformable_aggregation"})
         ctx.log.info("watching registrations for DeformableFeatureAggregation", registry=target)
 
@@ -185,7 +188,7 @@ class SparseDAG(FeatureImpl):
         from loongkit_ops.kernels.ops import daf
 
         original = cls.forward
-        record = ctx.record
+        count = ctx.count
 
         def forward(self: Any, instance_feature: Any, anchor: Any, anchor_embed: Any, feature_maps: Any, metas: Any,
                     **kwargs: Any) -> Any:
@@ -193,7 +196,7 @@ class SparseDAG(FeatureImpl):
             if plan is None:
                 return original(self, instance_feature, anchor, anchor_embed, feature_maps, metas, **kwargs)
             feat, shapes, starts, inside_only = plan
-            record.calls += 1
+            count()
             bs, num_anchor = instance_feature.shape[:2]
             key_points = self.kps_generator(anchor, instance_feature)
             weights = self._get_weights(instance_feature, anchor_embed, metas)
@@ -212,9 +215,3 @@ class SparseDAG(FeatureImpl):
         forward.__doc__ = original.__doc__
         forward.__wrapped__ = original  # type: ignore[attr-defined]
         ctx.patcher.patch(cls, "forward", forward)
-
-    def deactivate(self, ctx: ActivationContext) -> None:
-        for subscription in self.__dict__.pop("_subscriptions", []):
-            stop(subscription)
-        self._patched = {}
-        super().deactivate(ctx)

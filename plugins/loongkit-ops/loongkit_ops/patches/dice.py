@@ -84,7 +84,7 @@ class DiceLossMmseg1(FeatureImpl):
 
         cls = module.DiceLoss
         original = cls.forward
-        record = ctx.record
+        count = ctx.count
 
         def unsupported(loss: Any, pred: Any, target: Any) -> bool:
             return not (isinstance(pred, torch.Tensor) and isinstance(target, torch.Tensor)
@@ -106,7 +106,7 @@ class DiceLossMmseg1(FeatureImpl):
             drop = ignore if ignore is not None and 0 <= ignore < channels else -1
             if drop >= 0 and channels == 1:
                 return original(self, pred, target, weight, avg_factor, reduction_override, ignore_index, **kwargs)
-            record.calls += 1
+            count()
             stats = dice_stats.op(pred.flatten(2), target.flatten(1), activation_code(self, channels), drop,
                                       bool(self.naive_dice))
             a, b, c = stats.unbind(1)
@@ -186,7 +186,7 @@ class DiceLossMmseg0(FeatureImpl):
         cls = module.DiceLoss
         original = cls.forward
         reducer = _reducer(module)
-        record = ctx.record
+        count = ctx.count
 
         def eligible(loss: Any, pred: Any, target: Any) -> bool:
             if not (isinstance(pred, torch.Tensor) and isinstance(target, torch.Tensor)
@@ -217,7 +217,7 @@ class DiceLossMmseg0(FeatureImpl):
             assert reduction_override in (None, "none", "mean", "sum")
             reduction = reduction_override if reduction_override else self.reduction
             n, channels = pred.shape[:2]
-            record.calls += 1
+            count()
             stats = dice_class_stats.op(pred.reshape(n, channels, -1), target.reshape(n, -1).long(),
                                             self.ignore_index, float(self.exponent))
             a, b, t = stats.unbind(-1)

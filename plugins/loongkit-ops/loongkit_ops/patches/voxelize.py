@@ -59,7 +59,7 @@ class Voxelization(FeatureImpl):
 
         fn_cls = module._Voxelization
         original = fn_cls.forward
-        record = ctx.record
+        count = ctx.count
 
         def grid_args(voxel_size: Any, coors_range: Any) -> tuple[list[float], list[float]] | None:
             # mmcv hands the kernel float32 copies: the same values, and a grid it would accept.
@@ -86,7 +86,7 @@ class Voxelization(FeatureImpl):
             # The kernel is built here, at the first eligible call (not when mmcv is imported).
             if grid is None or not kernel.ready(ctx):
                 return original(fctx, points, voxel_size, coors_range, max_points, max_voxels, deterministic)
-            record.calls += 1
+            count()
             if dynamic:
                 return voxelize.dynamic_op(points, *grid)
             return voxelize.hard_op(points, *grid, max_points, max_voxels)
