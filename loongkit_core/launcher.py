@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if path is None:
         sys.stderr.write(f"loongkit-run: command not found: {program}\n")
         return 127
+    env["_LOONGKIT_LAUNCHED"] = str(os.getpid())  # the exec'd command keeps this pid (runtime.LAUNCHED_ENV)
     sys.stdout.flush()
     sys.stderr.flush()
     try:

@@ -27,6 +27,10 @@ from loongkit_core.feature import Feature, FeatureRecord, PolicyDecision, State
 from loongkit_core.manager import Fault, PluginManager
 from loongkit_core.settings import CORE_VARIABLES, CoreSettings, bool_or_none, is_unset, load_settings
 
+# Set by ``loongkit-run`` to its own pid, which the command it execs keeps: "this is the command the user
+# put loongkit in front of" (its children and a script's inner Pythons have other pids).
+LAUNCHED_ENV = "_LOONGKIT_LAUNCHED"
+
 
 class LoongkitStrictError(RuntimeError):
     """A plugin or feature fault under ``LOONGKIT_STRICT=1``."""
@@ -60,6 +64,7 @@ class Runtime:
         self.channel: activity.MainChannel | None = None  # where this main's workers report
         self._fork_baseline: dict[str, int] = {}  # counts inherited at fork (a worker reports the rest)
         self._reporter: activity.WorkerReporter | None = None
+        self.optimizer_stepped = False  # an optimizer step ran in this process (a training job's sign)
         self.node_missing: list[int] = []  # local ranks that sent no activity report (local rank 0)
         self.log: Any = log.get_logger("loongkit.core")
 
@@ -352,7 +357,12 @@ class Runtime:
                     pass  # too late to fail the run; it is in the log and the Summary
 
     # -- summary -------------------------------------------------------------------------------
-    def summary_text(self) -> str:
+    def summary_text(self, extra: list[str] | None = None) -> str:
+        extra = self.summary_extra() if extra is None else extra
+        return summary_mod.render(list(self.records.values()), self.manager.faults, extra, log.log_path())
+
+    def summary_extra(self) -> list[str]:
+        """The lines under the table: hardware-policy notes, disabled plugins, plugins' own sections."""
         extra: list[str] = []
         policy_off: dict[str, list[str]] = {}
         for record in self.records.values():
@@ -369,7 +379,7 @@ class Runtime:
                          + f" within {activity.NODE_WAIT:g} s: their calls are missing above")
         for _, lines in self.manager.call_each("loongkit_summary", records=list(self.records.values())):
             extra.extend(str(line) for line in lines)
-        return summary_mod.render(list(self.records.values()), self.manager.faults, extra, log.log_path())
+        return extra
 
     def finish(self) -> None:
         """Run features' exit callbacks, then print and log the Summary once, from the process that
@@ -383,7 +393,8 @@ class Runtime:
                 if record.state == State.ARMED and not record.reason:
                     record.reason = "target not imported: " + ", ".join(record.feature.targets)
             self.gather_activity()
-            text = self.summary_text()
+            extra = self.summary_extra()
+            text = self.summary_text(extra)
             destination = self.destination
             printed = self.process.prints_summary and self.is_training_job()
             if printed:
@@ -397,7 +408,7 @@ class Runtime:
             if self.settings.summary_json:
                 path = summary_mod.json_path(self.settings.summary_json, self.process)
                 payload = summary_mod.to_json(list(self.records.values()), self.manager.faults, self.process,
-                                              log.log_path())
+                                              log.log_path(), extra)
                 try:
                     summary_mod.write_json(path, payload)
                 except OSError as exc:
@@ -411,10 +422,35 @@ class Runtime:
 
     # -- activity across processes ---------------------------------------------------------------
     def is_training_job(self) -> bool:
-        """Whether this process looks like training: a feature's target was imported, or DataLoader
-        workers or other ranks ran features. Other processes (``pip``, helper scripts, the prelude-path
-        recipe under a container-wide ``PYTHONPATH``) keep their stdout clean: Summary to the log only."""
-        return bool(self.targets_seen) or any(r.worker_calls or r.node for r in self.records.values())
+        """Whether this process prints its Summary on stdout: an optimizer stepped, features ran in its
+        DataLoader workers (or, for local rank 0, in the node's ranks), or it is the very command
+        ``loongkit-run`` started and it imported a feature's target. Other processes under a
+        container-wide ``PYTHONPATH`` (``pip``, helper scripts, ``NGPU=$(python -c "import torch; ...")``,
+        the prelude-path recipe) keep their stdout clean: their Summary goes to their log only."""
+        # A feature's own calls in this process are no sign: some act on import in every process
+        # (CONFIG_GUARDS checks the CPU budget when torch loads).
+        if self.optimizer_stepped or any(r.worker_calls or r.node for r in self.records.values()):
+            return True
+        launched = os.environ.get(LAUNCHED_ENV) == str(self.process.pid)
+        return launched and bool(self.targets_seen)
+
+    def _watch_optimizer_steps(self) -> None:
+        """One-shot: the first optimizer step marks this process as training, then the hook removes
+        itself (nothing left on the step path)."""
+        def on_optim(module: ModuleType) -> None:
+            register = getattr(module, "register_optimizer_step_post_hook", None)
+            if register is None:
+                return
+            handle: list[Any] = []
+
+            def stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
+                self.optimizer_stepped = True
+                if handle:
+                    handle.pop().remove()
+
+            handle.append(register(stepped))
+
+        importhooks.when_imported("torch.optim.optimizer", on_optim)
 
     def records_have_node_view(self) -> bool:
         return any(r.node is not None for r in self.records.values())
@@ -474,6 +510,7 @@ class Runtime:
             os.environ[process_mod.MAIN_MARKER] = self.process.marker()
         if self.process.writes_summary and any(r.enabled for r in self.records.values()):
             self._open_channel()
+            self._watch_optimizer_steps()
         if any(r.enabled for r in self.records.values()):
             from loongkit_core import workers
 

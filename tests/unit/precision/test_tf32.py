@@ -183,5 +183,5 @@ def test_not_applicable_on_old_torch(run_loongkit, tmp_path: Path) -> None:  # t
 
 def test_bad_option_value(run_loongkit) -> None:  # type: ignore[no-untyped-def]
     r = run_loongkit(CODE, {"LOONGKIT_ALLOW_TF32": "tru", "LOONGKIT_ALL": "0"})
-    assert r.summaries_printed == 1 and r.summary["features"] == []  # type: ignore[index]
+    assert r.summary["features"] == []  # type: ignore[index]
     assert "LOONGKIT_ALLOW_TF32='tru' is invalid" in r.logs()
