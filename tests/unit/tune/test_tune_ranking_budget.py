@@ -77,7 +77,11 @@ def test_reproducible() -> None:
 
 def test_noise_and_spread() -> None:
     assert ranking.noise(base(0.1, 0.1)) == ranking.NOISE_FLOOR
-    assert abs(ranking.noise(base(0.100, 0.110)) - 0.01 / 0.105) < 1e-9
+    assert abs(ranking.noise(base(0.100, 0.110)) - 0.01 / 2**0.5 / 0.105) < 1e-9
+    # One trial disturbed by another job (this machine, four baseline trials): the MAD, not the range.
+    disturbed = [1.682, 1.081, 0.994, 1.022]
+    assert abs(ranking.noise(base(*disturbed)) - 1.4826 * 0.0435 / 1.0515) < 1e-9
+    assert ranking.run_to_run([0.1]) is None
     s = standing("s", [0.09, 0.10, 0.11])
     assert s.median == 0.10 and abs((s.spread or 0) - 0.2) < 1e-9
     # A noisy trial: p90 far above the median, few warm steps.

@@ -6,8 +6,9 @@
   not the baseline's within the tolerance (the level-1 tolerance for level 0-1 settings, the
   deep one for level 2-3). The loss check only runs when the job prints losses and two baseline
   runs agree with each other (a job that is not reproducible cannot show a setting changed it).
-* The noise is the larger of a floor, the spread between the baseline's own trials and the
-  standard error of a trial's median step (from its p90); successive halving drops the slower half
+* The noise is the larger of a floor, the run-to-run deviation of the baseline's own trials (robust:
+  one trial disturbed by another job on the machine does not set it) and the standard error of a
+  trial's median step (from its p90); successive halving drops the slower half
   of the candidates unless they are inside the noise of the leader, and anything more than three
   times the noise behind; the winner must beat the baseline by more than the noise, else the job's
   own configuration stays.
@@ -123,9 +124,22 @@ def trial_noise(trial: TrialResult) -> float:
     return 1.25 * sigma / math.sqrt(f.warm_steps) / f.step_median_s
 
 
+def run_to_run(values: Sequence[float]) -> float | None:
+    """Relative standard deviation between trials, robust to one disturbed trial (another job on the
+    machine): 1.4826 x the median absolute deviation from three trials on, the range / sqrt(2) with two."""
+    if len(values) < 2:
+        return None
+    mid = statistics.median(values)
+    if mid <= 0:
+        return None
+    if len(values) == 2:
+        return abs(values[0] - values[1]) / math.sqrt(2) / mid
+    return 1.4826 * statistics.median(abs(v - mid) for v in values) / mid
+
+
 def noise(baseline: Standing) -> float:
     within = statistics.median([trial_noise(t) for t in baseline.good]) if baseline.good else 0.0
-    return max(NOISE_FLOOR, baseline.spread or 0.0, within)
+    return max(NOISE_FLOOR, run_to_run(baseline.medians) or 0.0, within)
 
 
 def reproducible(baseline: Standing, tolerances: Tolerances) -> LossCheck:

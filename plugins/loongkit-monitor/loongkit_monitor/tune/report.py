@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from loongkit_monitor.tune.budget import clock_text
-from loongkit_monitor.tune.ranking import BUDGET, DROPPED, EXCLUDED, NOT_TRIED, OK, Standing
+from loongkit_monitor.tune.ranking import BUDGET, DROPPED, EXCLUDED, NOT_TRIED, OK, Standing, leaders
 from loongkit_monitor.tune.search import Outcome
 
 WIDTH = 100
@@ -84,7 +84,7 @@ def render_table(outcome: Outcome) -> str:
         if i == 0:
             lines.append("-" * WIDTH)
     lines.append("-" * WIDTH)
-    lines.append(f"noise: {outcome.noise:.1%} (the larger of the spread of the baseline's trials, a trial's own "
+    lines.append(f"noise: {outcome.noise:.1%} (the larger of the baseline's run-to-run deviation, a trial's own "
                  "error and 2 %); spread: ± half the range of a candidate's trial medians")
     lines.append(f"losses: {outcome.reproducible.text}")
     lines.extend(f"not tried: {k.label}: {k.reason}" for k in outcome.skipped)
@@ -99,21 +99,29 @@ def winner_env(outcome: Outcome) -> dict[str, str]:
     return winner.candidate.environ if winner is not None else {}
 
 
-def paste_lines(outcome: Outcome, command: Sequence[str]) -> str:
-    env = winner_env(outcome)
-    if not env:
-        return ("# loongkit tune: keep the job as it is (nothing to export)\n"
-                f"# {outcome.verdict.text}\n")
-    winner = outcome.verdict.winner
-    assert winner is not None
-    lines = [f"# loongkit tune winner: {outcome.verdict.text}",
-             "# shell (run the job under loongkit-run, or with the prelude on PYTHONPATH):"]
+def _env_lines(env: dict[str, str], command: Sequence[str]) -> list[str]:
+    lines = ["# shell (run the job under loongkit-run, or with the prelude on PYTHONPATH):"]
     lines += [f"export {k}={v}" for k, v in env.items()]
     lines.append(f"# loongkit-run {' '.join(command)}")
     lines.append("# Kubernetes container:")
     lines.append("env:")
     for k, v in env.items():
         lines += [f"  - name: {k}", f"    value: {json.dumps(v)}"]
+    return lines
+
+
+def paste_lines(outcome: Outcome, command: Sequence[str]) -> str:
+    """The winner's variables (shell and Kubernetes); without a winner, the job stays as it is, and
+    the fastest candidate still in the race is offered as what to try next, marked as inside the noise."""
+    env = winner_env(outcome)
+    if env:
+        return "\n".join([f"# loongkit tune winner: {outcome.verdict.text}", *_env_lines(env, command)]) + "\n"
+    lines = ["# loongkit tune: keep the job as it is (nothing to export)", f"# {outcome.verdict.text}"]
+    fastest = next((s for s in leaders(outcome.standings)
+                    if (s.speedup(outcome.baseline) or 0) > 1 and s.candidate.env), None)
+    if fastest is not None and not outcome.fatal:
+        lines.append(f"# to try anyway (inside the noise, {len(fastest.good)} trial(s)): {fastest.key}")
+        lines += _env_lines(fastest.candidate.environ, command)
     return "\n".join(lines) + "\n"
 
 
