@@ -447,6 +447,7 @@ def test_end_to_end_summary(run_loongkit: Callable[..., Any], tmp_path: Path) ->
     assert row["active"] and row["calls"] >= 2, row
     assert "mmcv.utils.registry" in row["targets"], row
     assert len(row["details"]["patched"]) == 3, row
+    assert set(row["config"]) == {"SpatialCrossAttention", "MSDeformableAttention3D", "TemporalSelfAttention"}, row
 
 
 def test_end_to_end_interface_mismatch_in_summary(run_loongkit: Callable[..., Any], tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """BEVFORMER, UNIAD and DAG undo through the default FeatureImpl.deactivate (ctx.patcher.undo()): apply ->
-undo -> every class, module global and Registry exactly as before -> apply again patches again.
+undo -> every class, module global and Registry exactly as before -> apply again patches again. And the
+Summary's text row of BEVFORMER and UNIAD names every class they patched (issue 16).
 
 Against the upstream-style test modules registered in the mmcv 1.x Registry double (and a Sparse4D-style
 project, tests/integration/ops_kernels/upstream_sparse4d_project.py, registering in it as
@@ -22,6 +23,7 @@ from loongkit_ops.plugin import plugin
 
 from loongkit_core.context import ActivationContext
 from loongkit_core.kit import FeatureImpl
+from loongkit_core.summary import render
 
 HERE = Path(__file__).parent
 TARGET = "mmcv.utils.registry"
@@ -149,3 +151,81 @@ def test_dag_apply_undo_apply(mmcv1: types.ModuleType, tmp_path: Path) -> None:
         sys.path.remove(str(tmp_path))
         for name in [n for n in sys.modules if n.startswith(package)]:
             del sys.modules[name]
+
+
+def summary_row(ctx: ActivationContext) -> str:
+    ctx.record.enabled = True  # the test's record: render lists enabled features only
+    (row,) = [line for line in render([ctx.record]).splitlines() if line.startswith(ctx.feature.name)]
+    return row
+
+
+FORK_DECODER = """
+from lk_upstream_bevformer import ATTENTION, multi_scale_deformable_attn_pytorch
+from lk_upstream_bevformer import MSDeformableAttention3D as Base
+
+
+@ATTENTION.register_module()
+class CustomMSDeformableAttention(Base):
+    def forward(self, query, key=None, value=None, identity=None, query_pos=None, key_padding_mask=None,
+                reference_points=None, spatial_shapes=None, level_start_index=None, flag="decoder", **kwargs):
+        _ = (self.sampling_offsets, self.attention_weights, self.value_proj, self.output_proj,
+             multi_scale_deformable_attn_pytorch)
+        return super().forward(query, key, value, identity, query_pos, key_padding_mask, reference_points,
+                               spatial_shapes, level_start_index, **kwargs)
+"""
+
+
+def test_bevformer_summary_row_names_every_class(mmcv1: types.ModuleType, monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path) -> None:
+    kit.install_projects(mmcv1.Registry("attention"), mmcv1.Registry("loss"))
+    (tmp_path / "lk_decoder_fork.py").write_text(FORK_DECODER)  # the decoder's attention, as BEVFormer has one
+    fake_mmcv = mmcv_msda_module(monkeypatch)
+    impl, ctx = feature("bevformer")
+    impl.activate(ctx, TARGET)
+    try:
+        kit.load_file(tmp_path / "lk_decoder_fork.py", "lk_decoder_fork")
+        impl.activate(ctx, fake_mmcv.__name__)
+        assert ctx.config == {
+            "mmcv.MultiScaleDeformableAttention": "loongkit::ms_deform_attn (CPU)",
+            "SpatialCrossAttention": "batched gather/scatter",
+            "MSDeformableAttention3D": "loongkit::ms_deform_attn_fused",
+            "TemporalSelfAttention": "loongkit::ms_deform_attn_fused",
+            "CustomMSDeformableAttention": "loongkit::ms_deform_attn",
+        }, ctx.config
+        row = summary_row(ctx)
+        for name in ("MultiScaleDeformableAttention", "SpatialCrossAttention", "MSDeformableAttention3D",
+                     "TemporalSelfAttention", "CustomMSDeformableAttention"):
+            assert name in row, row
+    finally:
+        impl.deactivate(ctx)
+        sys.modules.pop("lk_decoder_fork", None)
+
+
+def test_uniad_summary_row_names_every_class(mmcv1: types.ModuleType) -> None:
+    kit.install_projects(mmcv1.Registry("attention"), mmcv1.Registry("loss"), uniad=True)
+    impl, ctx = feature("uniad")
+    impl.activate(ctx, TARGET)
+    try:
+        assert ctx.config == {
+            "SpatialCrossAttention": "batched gather/scatter",
+            "MSDeformableAttention3D": "loongkit::ms_deform_attn_fused",
+            "TemporalSelfAttention": "loongkit::ms_deform_attn_fused",
+            "MotionDeformableAttention": "loongkit::ms_deform_attn",
+            "CollisionLoss": "vectorised",
+        }, ctx.config
+        assert "CollisionLoss" in summary_row(ctx)
+    finally:
+        impl.deactivate(ctx)
+
+
+def test_a_class_left_to_the_other_feature_says_so(mmcv1: types.ModuleType) -> None:
+    """BEVFORMER and UNIAD both on: the class BEVFORMER patched shows as its in UNIAD's row."""
+    kit.install_projects(mmcv1.Registry("attention"), mmcv1.Registry("loss"), uniad=True)
+    (first, ctx1), (second, ctx2) = feature("bevformer"), feature("uniad")
+    first.activate(ctx1, TARGET)
+    second.activate(ctx2, TARGET)
+    try:
+        assert ctx2.config["MSDeformableAttention3D"] == "by LOONGKIT_BEVFORMER", ctx2.config  # type: ignore[index]
+    finally:
+        second.deactivate(ctx2)
+        first.deactivate(ctx1)

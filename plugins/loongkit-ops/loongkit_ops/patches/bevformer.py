@@ -38,5 +38,6 @@ class Bevformer(FeatureImpl):
             ModelClasses.of(ctx, self, SPECS, PATCHES).watch(target)
             return
         msda.patch_mmcv(ctx, sys.modules[target or msda.TARGET])
-        ctx.set_config({"mmcv.MultiScaleDeformableAttention": "loongkit::ms_deform_attn (CPU)"})
-        ModelClasses.of(ctx, self, SPECS, PATCHES).refresh()
+        classes = ModelClasses.of(ctx, self, SPECS, PATCHES)  # one Summary row for both parts
+        classes.row("mmcv.MultiScaleDeformableAttention", "loongkit::ms_deform_attn (CPU)")
+        classes.refresh()

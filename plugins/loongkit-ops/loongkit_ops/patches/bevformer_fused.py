@@ -21,7 +21,7 @@ from typing import Any
 from loongkit_core.context import ActivationContext, NotApplicable
 from loongkit_ops.patches import msda
 from loongkit_ops.patches.bevformer_source import FUSED_MARKERS, fused_problem, tsa_layout
-from loongkit_ops.patches.model_classes import forward_function, mark
+from loongkit_ops.patches.model_classes import Patched, forward_function, mark
 
 
 def common_problem(module: Any, query: Any, value: Any, reference_points: Any, spatial_shapes: Any,
@@ -190,9 +190,9 @@ def make_fused_forward(ctx: ActivationContext, name: str, original: Any, layout:
     return mark(forward, ctx, original)
 
 
-def patch(ctx: ActivationContext, name: str, cls: type) -> str:
+def patch(ctx: ActivationContext, name: str, cls: type) -> Patched:
     """Swap the sampling function in the class's module (once per module), and, when its source shows
-    upstream's maths, its forward for the fused one. Returns what was done."""
+    upstream's maths, its forward for the fused one."""
     forward = forward_function(cls)
     namespace = forward.__globals__
     module = sys.modules.get(namespace.get("__name__", ""))
@@ -208,11 +208,12 @@ def patch(ctx: ActivationContext, name: str, cls: type) -> str:
         ctx.patcher.patch(module, msda.FUNCTION, msda.fused_dispatcher(current, ctx))  # kernel built at first call
         done = f"{module.__name__}.{msda.FUNCTION} -> loongkit::ms_deform_attn (CPU)"
     if name not in FUSED_MARKERS:
-        return done
+        return Patched("loongkit::ms_deform_attn", done)
     problem = fused_problem(name, forward)
     if problem is not None:  # the module's own maths stay, on the fused sampling kernel
         ctx.log.info("own forward kept", cls=name, reason=problem)
-        return f"{done}; own forward kept ({problem})"
+        return Patched("loongkit::ms_deform_attn", f"{done}; own forward kept ({problem})")
     layout = tsa_layout(forward) if name == "TemporalSelfAttention" else "any"
     ctx.patcher.patch(cls, "forward", make_fused_forward(ctx, name, cls.forward, layout))  # type: ignore[attr-defined]
-    return f"{done}; forward on loongkit::ms_deform_attn_fused (batch>1: {layout or 'original forward'})"
+    return Patched("loongkit::ms_deform_attn_fused",
+                   f"{done}; forward on loongkit::ms_deform_attn_fused (batch>1: {layout or 'original forward'})")

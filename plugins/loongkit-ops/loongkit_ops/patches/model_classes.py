@@ -18,8 +18,18 @@ from typing import Any
 from loongkit_core.context import ActivationContext, NotApplicable
 from loongkit_ops.patches import registry
 
-# patch(ctx, registered name, class) -> what was done, in a few words (NotApplicable: left alone)
-Patch = Callable[[ActivationContext, str, type], str]
+
+@dataclass(frozen=True)
+class Patched:
+    """What a patch function did to a class: ``brief`` for the Summary's row (what the class runs on now,
+    a few words), ``detail`` for the JSON's ``details.patched`` (how, and what stays upstream's)."""
+
+    brief: str
+    detail: str
+
+
+# patch(ctx, registered name, class) -> what was done (raises NotApplicable: the class is left alone)
+Patch = Callable[[ActivationContext, str, type], Patched]
 
 
 @dataclass(frozen=True)
@@ -94,8 +104,9 @@ class ModelClasses:
         self.specs = specs
         self.patches = patches
         self.seen: set[type] = set()
-        self.patched: dict[str, str] = {}
+        self.patched: dict[str, str] = {}  # "<name> (<module>)" -> detail
         self.problems: dict[str, str] = {}
+        self.rows: dict[str, str] = {}  # the Summary row: what each patched class (or target) runs on
         self.registries: list[type] = []
 
     @classmethod
@@ -135,6 +146,7 @@ class ModelClasses:
         owner = getattr(forward_function(cls), "__loongkit_feature__", None)
         if owner is not None:  # BEVFORMER and UNIAD watch the same classes: the first one patches
             self.patched[label] = f"patched by LOONGKIT_{str(owner).upper()}"
+            self.row(name, f"by LOONGKIT_{str(owner).upper()}")
             self.refresh()
             return
         problem = interface_problem(name, cls, spec)
@@ -144,16 +156,28 @@ class ModelClasses:
             except NotApplicable as exc:
                 problem = str(exc)
             else:
-                self.patched[label] = done
+                self.patched[label] = done.detail
                 self.problems.pop(label, None)
-                self.ctx.log.info("model class patched", cls=label, how=done)
+                self.row(name, done.brief)
+                self.ctx.log.info("model class patched", cls=label, how=done.detail)
         if problem is not None:
             self.problems[label] = problem
             self.ctx.log.warning("model class not patched", cls=label, reason=problem)
         self.refresh()
 
+    def row(self, key: str, brief: str) -> None:
+        """Name ``key`` (a class, or another thing the feature patched) in the Summary's row; a second class
+        of that name (a fork beside the original) that runs on something else adds its brief."""
+        known = self.rows.get(key)
+        if known is None or brief in known.split(" / "):
+            self.rows[key] = known or brief
+        else:
+            self.rows[key] = f"{known} / {brief}"
+
     def refresh(self) -> None:
-        """What the Summary shows: patched classes and mismatches in the JSON, mismatches as the reason."""
+        """What the Summary shows: what each patched class runs on in the row (its configuration column),
+        patched classes and mismatches in the JSON, mismatches as the reason."""
+        self.ctx.set_config(dict(self.rows) or None)
         self.ctx.detail("patched", dict(self.patched))
         self.ctx.detail("not_applicable", dict(self.problems))
         self.ctx.waiting("; ".join(f"{k}: {v}" for k, v in self.problems.items()))

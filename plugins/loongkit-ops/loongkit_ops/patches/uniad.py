@@ -23,7 +23,7 @@ from loongkit_core.context import ActivationContext, NotApplicable
 from loongkit_core.kit import FeatureImpl
 from loongkit_ops.patches.bevformer import PATCHES
 from loongkit_ops.patches.bevformer_source import SPECS
-from loongkit_ops.patches.model_classes import ModelClasses, Spec, forward_function, mark
+from loongkit_ops.patches.model_classes import ModelClasses, Patched, Spec, forward_function, mark
 from loongkit_ops.patches.msda import FUNCTION
 
 COLLISION_FORWARD = ("self", "sdc_traj_all", "sdc_planning_gt", "sdc_planning_gt_mask", "future_gt_bbox")
@@ -147,12 +147,12 @@ def make_collision_forward(ctx: ActivationContext, original: Any) -> Any:
     return mark(forward, ctx, original)
 
 
-def patch_collision(ctx: ActivationContext, name: str, cls: type) -> str:
+def patch_collision(ctx: ActivationContext, name: str, cls: type) -> Patched:
     problem = collision_problem(cls)
     if problem:
         raise NotApplicable(problem)
     ctx.patcher.patch(cls, "forward", make_collision_forward(ctx, cls.forward))  # type: ignore[attr-defined]
-    return "vectorised over (future step, GT box); ego box detached as upstream"
+    return Patched("vectorised", "vectorised over (future step, GT box); ego box detached as upstream")
 
 
 class UniAD(FeatureImpl):
