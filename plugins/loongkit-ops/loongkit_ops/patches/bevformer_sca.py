@@ -28,7 +28,7 @@ from typing import Any
 from loongkit_core.context import ActivationContext
 from loongkit_ops.patches.bevformer_fused import merged_projection, msda3d_problem, msda3d_sample
 from loongkit_ops.patches.bevformer_source import sca_layout
-from loongkit_ops.patches.model_classes import forward_function, mark
+from loongkit_ops.patches.model_classes import Patched, forward_function, mark
 
 
 def fallback_reason(module: Any, query: Any, key: Any, residual: Any, reference_points_cam: Any, bev_mask: Any,
@@ -118,7 +118,7 @@ def sca_fused(module: Any, query: Any, key: Any, value: Any, query_pos: Any, ref
     if layout == "batch-major":
         key = key.permute(2, 0, 1, 3).reshape(key_bs * num_cams, length, embed_dims)
         value = value.permute(2, 0, 1, 3).reshape(key_bs * num_cams, length, embed_dims)
-    else:  # camera-major, BEVFormer's (identical to batch-major when bs == 1)
+    else:  # camera-major: the early BEVFormer revision's (the same as batch-major when bs == 1)
         key = key.permute(0, 2, 1, 3).view(num_cams * key_bs, length, embed_dims)
         value = value.permute(0, 2, 1, 3).view(num_cams * key_bs, length, embed_dims)
     if packed:
@@ -161,8 +161,9 @@ def make_forward(ctx: ActivationContext, original: Any, layout: str | None) -> A
     return mark(forward, ctx, original)
 
 
-def patch(ctx: ActivationContext, name: str, cls: type) -> str:
-    """Replace the class's forward by :func:`make_forward`'s. Returns what was done."""
+def patch(ctx: ActivationContext, name: str, cls: type) -> Patched:
+    """Replace the class's forward by :func:`make_forward`'s."""
     layout = sca_layout(forward_function(cls))
     ctx.patcher.patch(cls, "forward", make_forward(ctx, cls.forward, layout))  # type: ignore[attr-defined]
-    return f"batched gather/scatter over cameras (batch>1 layout: {layout or 'unknown, original forward'})"
+    return Patched("batched gather/scatter",
+                   f"batched gather/scatter over cameras (batch>1 layout: {layout or 'unknown, original forward'})")
