@@ -150,6 +150,8 @@ class SpatialCrossAttention(nn.Module):
                 q_pack[b * self.num_cams + cam, :len(idx)] = query[b, idx]
                 r_pack[b * self.num_cams + cam, :len(idx)] = reference_points_cam[cam, b, idx]
         _, length, bs, _ = key.shape
+        # Key/value camera-major beside batch-major queries: an early BEVFormer revision's order (published
+        # BEVFormer and UniAD's test module are batch-major); kept so the camera-major path stays tested.
         key = key.permute(0, 2, 1, 3).view(self.num_cams * bs, length, self.embed_dims)
         value = value.permute(0, 2, 1, 3).view(self.num_cams * bs, length, self.embed_dims)
         out = self.deformable_attention(query=q_pack, key=key, value=value, reference_points=r_pack,
