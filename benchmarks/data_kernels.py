@@ -61,7 +61,7 @@ def main() -> int:
         print(f"kernels unavailable: {kernels.failure()}", file=sys.stderr)
         return 1
     print(f"BUILD load_or_build_s={time.perf_counter() - start:.2f} "
-          f"compiled_now={kernels.build_seconds is not None}", flush=True)
+          f"compiled_now={kernels.LIBRARY.origin == 'built'} ({kernels.describe()})", flush=True)
 
     rng = np.random.default_rng(0)
     mean = np.array([123.675, 116.28, 103.53], np.float32)

@@ -309,7 +309,12 @@ class KernelLibrary:
 
     def describe(self) -> str:
         """One line for a Summary detail: where the binary came from, which ISA runs, and why a
-        prebuilt one was not used."""
+        prebuilt one was not used (computed once: cheap enough for a hot path)."""
+        if self._description is None:
+            self._description = self._describe()
+        return self._description
+
+    def _describe(self) -> str:
         self.load()
         if self._default is None:
             return f"unavailable: {self._failure}"
@@ -328,6 +333,7 @@ class KernelLibrary:
             self._variants: dict[str, Kernels] = {}
             self._supported: list[str] = []
             self._failure: str | None = None
+            self._description: str | None = None
             self.origin: str | None = None
             self.fallback: str | None = None  # why the prebuilt binary was not used
             self.build_seconds: float | None = None  # set in the process that compiled it

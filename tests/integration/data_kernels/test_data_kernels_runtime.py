@@ -30,7 +30,7 @@ class Images(Dataset):
         PhotoMetricDistortion().transform({"img": img})
         patched = hasattr(mmcv.imnormalize, "__loongkit_original__")
         distortion = hasattr(PhotoMetricDistortion.transform, "__loongkit_original__")
-        return torch.tensor([patched, distortion, kernels._module is not None, out.dtype == np.float32])
+        return torch.tensor([patched, distortion, kernels.load() is not None, out.dtype == np.float32])
 
 if __name__ == "__main__":
     import mmcv  # the pipeline is imported in the main process too
@@ -49,7 +49,8 @@ def test_summary_row_starred_under_run_loongkit(run_loongkit) -> None:
     assert result.returncode == 0, result.stderr
     row = result.feature("imnormalize")
     assert row["active"] and row["calls"] == 1, row
-    assert row["config"]["kernel"] == "compiled", row
+    # where the binary came from: "prebuilt, avx512" from a wheel, "built ..." from a checkout
+    assert row["config"]["kernel"].startswith(("prebuilt, ", "built ")), row
     assert "imnormalize                    *" in result.stdout
 
 
