@@ -350,7 +350,7 @@ class MonitorFeature(FeatureImpl):
 
         def __next__(it: Any) -> Any:
             first = getattr(it, "_num_yielded", 1) == 0
-            gpu = monitor.gpu
+            gpu = monitor.gpu if rec.paused_at is None else None  # a paused wait belongs to no step
             if gpu is not None:
                 gpu.events.wait_started()
             t0 = clock()
