@@ -196,3 +196,41 @@ def bench(session: nox.Session) -> None:
                         str(out / "bench.png"), silent=True) or ""
     (out / "bench.md").write_text(table)
     session.log(table)
+
+
+KERNEL_PLUGINS = ("plugins/loongkit-ops", "plugins/loongkit-data")  # the plugins that ship compiled kernels
+
+
+@nox.session
+def wheels(session: nox.Session) -> None:
+    """The wheels as users get them: loongkit-core's and the kernel plugins' wheels built here (the plugins'
+    with their compiled CPU kernels, `pip wheel`), installed into this fresh venv beside torch 2.13.0, then
+    tests/wheels with no compiler reachable (PATH holding only the venv and binutils, CXX naming a missing
+    file, an empty kernel cache). posargs go to pytest. ~6 minutes on 2 idle cores (not in the `test` tag:
+    docs/architecture.md, "Kernel ABI")."""
+    import shutil
+    import time
+
+    session.install("-U", "pip", "wheel", "setuptools<81")
+    session.install(TORCH, *TEST_DEPS)
+    tmp = Path(session.create_tmp()).resolve()
+    dist = tmp / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    start = time.perf_counter()
+    session.run("pip", "wheel", "--no-deps", "-w", str(dist), str(ROOT), *(str(ROOT / p) for p in KERNEL_PLUGINS))
+    session.log(f"wheels built in {time.perf_counter() - start:.0f} s: {', '.join(p.name for p in dist.glob('*.whl'))}")
+    built = [str(p) for p in sorted(dist.glob("*.whl"))]
+    session.install(*built)  # their dependencies
+    session.install("--force-reinstall", "--no-deps", *built)  # these wheels, even over a reused venv's
+    tools = tmp / "tools"  # readelf/objdump for the tests, and nothing that compiles
+    shutil.rmtree(tools, ignore_errors=True)
+    tools.mkdir()
+    for tool in ("readelf", "objdump"):
+        if shutil.which(tool):
+            (tools / tool).symlink_to(shutil.which(tool))
+    cache = tmp / "kernel-cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    env = {"PATH": os.pathsep.join([session.bin, str(tools)]), "CXX": str(tmp / "no-such-c++"),
+           "LOONGKIT_KERNEL_CACHE": str(cache)}
+    session.chdir(tmp)  # not the checkout: its loongkit_core must not shadow the installed one
+    session.run("pytest", str(ROOT / "tests" / "wheels"), *session.posargs, env=env)
