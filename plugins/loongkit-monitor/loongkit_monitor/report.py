@@ -177,6 +177,11 @@ def build(monitor: Monitor, records: list[Any] | None = None) -> dict[str, Any]:
 # Text
 
 
+def _signed_mib(n: float) -> str:
+    """+3 MiB / -16 MiB; a change that rounds to nothing is +0."""
+    return f"{'-' if n < 0 and round(abs(n) / (1 << 20)) else '+'}{mib(abs(n))}"
+
+
 def _share(value: Any) -> str:
     return "n/a" if value is None else pct(float(value))
 
@@ -204,7 +209,7 @@ def render(details: dict[str, Any] | None) -> list[str]:
     growth = details.get("main_rss_growth_bytes")
     lines.append(f"  main process: {cpus(main_cpu) if main_cpu is not None else 'n/a'} CPUs busy, RSS "
                  f"{mib(details.get('main_rss_bytes') or 0)}"
-                 + (f" ({'+' if growth >= 0 else '-'}{mib(abs(growth))} over the warm steps)" if growth is not None
+                 + (f" ({_signed_mib(growth)} over the warm steps)" if growth is not None
                     else "")
                  + f", {details.get('main_major_faults', 0):,} major page faults"
                  + (f", waited for a CPU {pct(details['main_cpu_wait_share'])} of the time"
@@ -220,7 +225,7 @@ def render(details: dict[str, Any] | None) -> list[str]:
             parts = [f"{cpus(used)} CPUs busy" if used is not None else "CPU n/a (no worker report spans the "
                                                                           "warm steps)"]
             if private is not None:
-                parts.append(f"private memory {'+' if private >= 0 else '-'}{mib(abs(private))} per worker")
+                parts.append(f"private memory {_signed_mib(private)} per worker")
             if rss is not None:
                 parts.append(f"RSS {mib(rss)} per worker")
             if details.get("worker_cpu_wait_share") is not None:

@@ -50,6 +50,11 @@ def test_ranks_and_stragglers() -> None:
     assert "  Recommendations: none (no figure crossed its threshold)" in text
 
 
+def test_memory_changes_keep_their_sign_unless_they_round_to_nothing() -> None:
+    assert "RSS 612 MiB (-16 MiB over" in "\n".join(render(report(main_rss_growth_bytes=-(16 << 20))))
+    assert "RSS 612 MiB (+0 MiB over" in "\n".join(render(report(main_rss_growth_bytes=-1000)))
+
+
 def test_no_steps_and_no_report() -> None:
     assert render(report(steps=0)) == ["Training monitor: no steps seen (no optimizer step, mmengine or mmcv "
                                        "training iteration ran)"]
