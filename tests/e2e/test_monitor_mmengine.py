@@ -85,7 +85,7 @@ def test_mmengine_iterations_are_the_steps_and_validation_is_paused(run_loongkit
     d = r.feature("monitor")["details"]["monitor"]
     assert d["source"] == "mmengine iterations"
     assert d["steps"] == 12  # 6 optimizer steps (accumulative_counts=2) are not the steps
-    assert d["hooks"]["mmengine.runner"].startswith("Runner.call_hook")
+    assert d["hooks"]["mmengine.runner"].startswith("Runner/FlexibleRunner.call_hook")
     # two validations of 2 batches x 2 samples x 0.1 s: 0.4 s each, in no step
     assert d["paused_s"] == pytest.approx(0.8, abs=0.3)
     assert d["step_p90_s"] < 0.3
