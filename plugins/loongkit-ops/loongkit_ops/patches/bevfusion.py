@@ -38,6 +38,7 @@ from __future__ import annotations
 import inspect
 import sys
 import types
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,6 +60,8 @@ GEOMETRY_NAMES = frozenset({"shape", "frustum", "view", "torch", "inverse", "mat
 GEOMETRY_REQUIRED = frozenset({"frustum", "inverse", "matmul", "cat"})
 GEOMETRY_KWARGS = ("extra_rots", "extra_trans")
 INIT_PARAMS = ("xbound", "ybound", "zbound", "dbound")
+# self_check's answers: upstream function -> {(dtype, keyword args): None or why not}.
+_CHECKED: weakref.WeakKeyDictionary[Any, dict[tuple[Any, tuple[str, ...]], str | None]] = weakref.WeakKeyDictionary()
 # Points per chunk of exact_geometry: the dozen live coordinate planes stay in the caches, and no op
 # exceeds torch's parallel grain (at::internal::GRAIN_SIZE, 32768 elements).
 CHUNK = 1 << 15
@@ -376,7 +379,9 @@ class BevFusionPool(FeatureImpl):
     def _patch_geometry(self, ctx: ActivationContext, base: type) -> None:
         original = base.__dict__[GEOMETRY]
         count, fallback = ctx.count, ctx.fallback
-        checked: dict[tuple[Any, tuple[str, ...]], str | None] = {}  # (dtype, keyword args) -> self_check's answer
+        # (dtype, keyword args) -> self_check's answer, per upstream function: once per process, not per
+        # activation (the answer depends only on the function and the torch build)
+        checked = _CHECKED.setdefault(inspect.unwrap(original), {})
 
         def get_geometry(self: Any, camera2lidar_rots: Any, camera2lidar_trans: Any, intrins: Any, post_rots: Any,
                          post_trans: Any, **kwargs: Any) -> Any:
