@@ -10,7 +10,9 @@
   feature map (2M frustum points), 80 channels, 360x360 BEV, nuScenes-like camera matrices with
   image and lidar augmentation (--quick: 59 depth bins on 16x44, 250k points). The upstream-style
   module is the vendored test project of ``tests/integration/ops_kernels/upstream_bevfusion_project.py``
-  with its CPU stand-in for the CUDA extension (sort + cumulative sums).
+  with its CPU stand-in for the CUDA extension (sort + cumulative sums). ``bevfusion_get_geometry``:
+  the geometry alone, same inputs; a line after it says whether the patched geometry is upstream's
+  bit for bit (it must be).
 - ``sparse4d_daf_block``: Sparse4D v3's DeformableFeatureAggregation (LOONGKIT_DAG), forward+backward
   through the feature maps, instance features and anchors, batch 1: 900 anchors, 13 key points (7
   fixed + 6 learnable), 6 cameras, levels 64x176, 32x88, 16x44, 8x22, 256 channels, 8 groups
@@ -210,7 +212,17 @@ def bevfusion_camera_to_bev(quick: bool, target: str, reps: int, rounds: int) ->
         geom = lss.get_geometry(*cams, **extra)
         lss.bev_pool(geom, x).backward(grad)
 
-    compare("bevfusion_camera_to_bev", block, Switch("bevfusion", target), reps, rounds)
+    switch = Switch("bevfusion", target)
+    compare("bevfusion_camera_to_bev", block, switch, reps, rounds)
+    compare("bevfusion_get_geometry", lambda: lss.get_geometry(*cams, **extra), switch, reps, rounds)
+    theirs = lss.get_geometry(*cams, **extra)
+    switch.on()
+    try:
+        mine = lss.get_geometry(*cams, **extra)
+    finally:
+        switch.off()
+    same = torch.equal(theirs.view(torch.int32), mine.view(torch.int32))
+    print(f"bevfusion_get_geometry: patched == upstream bit for bit: {same}", flush=True)
 
 
 def sparse4d_daf_block(quick: bool, target: str, reps: int, rounds: int) -> None:
