@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from loongkit_core.testing import clean_environ
 
 LOONGKIT = shutil.which("loongkit") or str(Path(sys.executable).parent / "loongkit")
@@ -68,6 +70,7 @@ def tune(tmp_path: Path, command: list[str], *args: str, plant: bool, timeout: f
     return json.loads((out / "tune.json").read_text()), proc.stdout
 
 
+@pytest.mark.slow
 def test_tune_chooses_the_worker_count_and_excludes_the_planted(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text(JOB)
@@ -89,6 +92,7 @@ def test_tune_chooses_the_worker_count_and_excludes_the_planted(tmp_path: Path) 
     assert (tmp_path / "out" / "tune.png").exists() or "matplotlib not installed" in stdout
 
 
+@pytest.mark.slow
 def test_tune_under_torchrun_reads_rank_zero(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text(JOB)

@@ -78,14 +78,14 @@ def test_the_planted_fastest_is_chosen_and_the_bad_ones_are_excluded(
 def test_the_budget_holds(tmp_path: Path, fake_job: list[str], clean_env: dict[str, str]) -> None:
     env = {**clean_env, "FAKE_RULES": json.dumps(PLANTED[:3]), "FAKE_SLEEP": "1.5"}
     start = time.monotonic()
-    outcome, out, _ = run_tune(tmp_path, fake_job, env, budget_minutes=0.25)
+    outcome, out, _ = run_tune(tmp_path, fake_job, env, budget_minutes=0.4)
     took = time.monotonic() - start
-    assert took <= 15.0, took
-    assert outcome.elapsed_s <= 15.0
+    assert took <= 24.0, took  # the report (JSON, PNG) included
+    assert outcome.elapsed_s <= 24.0
     untried = [s for s in outcome.standings if s.status == BUDGET]
-    assert untried and all(s.reason == "not tried: the budget (0:15) ran out" for s in untried)
+    assert untried and all(s.reason == "not tried: the budget (0:24) ran out" for s in untried)
     assert outcome.trials >= 3
-    assert "budget (0:15)" in out
+    assert "budget (0:24)" in out
 
 
 def test_nothing_beats_the_baseline(tmp_path: Path, fake_job: list[str], clean_env: dict[str, str]) -> None:

@@ -93,3 +93,29 @@ def test_the_exception_not_the_summary_names_a_crash() -> None:
     assert trial._last_line(text) == "RuntimeError: planted crash"
     assert trial._last_line("warming up\nkilled\n") == "killed"
     assert trial._last_line("") == ""
+
+
+def test_ctrl_c_ends_the_running_trial(tmp_path: Path, clean_env: dict[str, str]) -> None:
+    """The trial has its own session, so the terminal's SIGINT reaches tune only: tune ends it."""
+    import signal
+    import subprocess
+
+    pidfile = tmp_path / "job.pid"
+    job = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
+    driver = ("import sys\nfrom pathlib import Path\nfrom loongkit_monitor.tune import space, trial\n"
+              f"s = trial.Setup([sys.executable, '-c', {job!r}], {{}}, 5, Path({str(tmp_path)!r}), launcher=[])\n"
+              "trial.run(s, space.baseline(), 0, 1, timeout=600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", driver], env=clean_env, stderr=subprocess.PIPE, text=True)
+    for _ in range(300):
+        if pidfile.exists() and pidfile.read_text():
+            break
+        time.sleep(0.1)
+    child = int(pidfile.read_text())
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err
+    for _ in range(50):
+        if not _alive(child):
+            break
+        time.sleep(0.1)
+    assert not _alive(child)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TextIO
 
-RESERVE_S = 5.0  # the report: table, JSON, PNG (matplotlib's import alone is a second or two)
+RESERVE_S = 10.0  # the report: table, JSON, PNG (matplotlib's import took 4 s on the loaded 2-core machine)
 MARGIN = 1.15  # predicted cost = slowest recent trial x MARGIN
 RECENT = 6  # how many of the last trials the prediction looks at
 

@@ -111,6 +111,15 @@ def _kill_group(pgid: int, sig: int) -> None:
         pass
 
 
+def _stop(proc: subprocess.Popen[str]) -> None:
+    _kill_group(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=KILL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def run(setup: Setup, candidate: Candidate, index: int, attempt: int, timeout: float,
         budget_cut: bool = False) -> TrialResult:
     """Run one trial; ``timeout`` in seconds; ``budget_cut``: the timeout is what the budget left."""
@@ -132,12 +141,11 @@ def run(setup: Setup, candidate: Candidate, index: int, attempt: int, timeout: f
         proc.wait(timeout=max(0.1, timeout))
     except subprocess.TimeoutExpired:
         timed_out = True
-        _kill_group(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=KILL_GRACE_S)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _stop(proc)
+    except BaseException:
+        # Ctrl-C reaches tune only: the trial runs in its own session, so end it here, then stop.
+        _stop(proc)
+        raise
     wall = time.monotonic() - start
     _kill_group(proc.pid, signal.SIGKILL)  # what the job left running (orphaned workers, ranks)
     reader.join(timeout=KILL_GRACE_S)
