@@ -40,9 +40,14 @@ def retinanet(depth: int, num_classes: int, channels: int = 128, **extra: Any) -
     )
 
 
-def arguments(description: str, argv: list[str] | None = None) -> argparse.Namespace:
-    """The detection examples' command line (same flags for mmdet 2.x and 3.x)."""
+def arguments(description: str, argv: list[str] | None = None,
+              normalize: tuple[str, ...] | None = None) -> argparse.Namespace:
+    """The detection examples' command line (same flags for mmdet 2.x and 3.x; ``normalize`` offers a
+    ``--normalize`` choice, the first being the default)."""
     parser = argparse.ArgumentParser(description=description)
+    if normalize:
+        parser.add_argument("--normalize", choices=normalize, default=normalize[0],
+                            help="where images are normalised")
     parser.add_argument("--iters", type=int, default=40)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=4)

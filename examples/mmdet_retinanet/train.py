@@ -4,7 +4,8 @@ A real mmdet 3.x training job that knows nothing about loongkit: the dataset (co
 discs and triangles on noisy backgrounds, a few per image) is generated into a temporary
 directory as JPEG files plus a COCO ``instances`` JSON, and read back through mmdet's own
 pipeline (LoadImageFromFile, LoadAnnotations, PhotoMetricDistortion, Resize, RandomFlip,
-PackDetInputs; Normalize runs in the DetDataPreprocessor). Seeded and deterministic, so two runs
+PackDetInputs; Normalize runs in the DetDataPreprocessor, or with ``--normalize pipeline`` as mmcv's
+Normalize transform in the workers). Seeded and deterministic, so two runs
 print the same losses. mmengine logs every iteration: ``... time: ... data_time: ... loss: ...``.
 
     python examples/mmdet_retinanet/train.py --iters 30
@@ -26,21 +27,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: the s
 from retinanet import arguments, retinanet
 from synthetic_coco import CLASSES, make_dataset
 
+MEAN, STD = [123.675, 116.28, 103.53], [58.395, 57.12, 57.375]
+
 
 def build_config(data_root: Path, ann_file: Path, args: argparse.Namespace) -> dict[str, Any]:
+    # --normalize pipeline: mmcv's Normalize transform (mmcv.imnormalize) in the DataLoader workers, as
+    # mmdet 2.x and many 3.x ports do, instead of the DetDataPreprocessor on the main process.
+    in_pipeline = args.normalize == "pipeline"
     train_pipeline = [
         dict(type="LoadImageFromFile"),
         dict(type="LoadAnnotations", with_bbox=True),
         dict(type="PhotoMetricDistortion"),
         dict(type="Resize", scale=(args.scale, args.scale), keep_ratio=True),
         dict(type="RandomFlip", prob=0.5),
+        *([dict(type="mmcv.Normalize", mean=MEAN, std=STD, to_rgb=True)] if in_pipeline else []),
         dict(type="PackDetInputs"),
     ]
-    model = retinanet(
-        args.depth, len(CLASSES),
-        data_preprocessor=dict(type="DetDataPreprocessor", mean=[123.675, 116.28, 103.53],
-                               std=[58.395, 57.12, 57.375], bgr_to_rgb=True, pad_size_divisor=32),
-        train_cfg=dict(sampler=dict(type="PseudoSampler")))
+    preprocessor = (dict(type="DetDataPreprocessor", pad_size_divisor=32) if in_pipeline else
+                    dict(type="DetDataPreprocessor", mean=MEAN, std=STD, bgr_to_rgb=True, pad_size_divisor=32))
+    model = retinanet(args.depth, len(CLASSES), data_preprocessor=preprocessor,
+                      train_cfg=dict(sampler=dict(type="PseudoSampler")))
     return dict(
         default_scope="mmdet",
         model=model,
@@ -78,7 +84,8 @@ def _cuda() -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = arguments(__doc__.splitlines()[0], argv)
+    args = arguments(__doc__.splitlines()[0], argv,
+                     normalize=("preprocessor", "pipeline"))
 
     if _cuda():
         from mmcv.ops import get_compiling_cuda_version

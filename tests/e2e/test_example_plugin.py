@@ -33,8 +33,8 @@ def test_listed_by_loongkit_features(installed: Path) -> None:
     assert "LOONGKIT_EXAMPLE_ANOMALY" in out and "plugin example 0.1.0" in out
 
 
-TRAIN = ("import torch\nw = torch.ones(3, requires_grad=True)\n"
-         "for _ in range(2):\n    (w * 2).sum().backward()\n"
+TRAIN = ("import torch\nw = torch.ones(3, requires_grad=True)\nopt = torch.optim.SGD([w], lr=0.1)\n"
+         "for _ in range(2):\n    (w * 2).sum().backward()\n    opt.step()\n"
          "print('anomaly', torch.is_anomaly_enabled())")
 
 
