@@ -15,6 +15,11 @@ def test_warm_up_drops_a_tenth_within_bounds() -> None:
     assert [analysis.warm_count(n) for n in (0, 1, 2, 9, 10, 35, 100, 5000)] == [0, 0, 1, 1, 1, 3, 10, 10]
 
 
+def test_durations_read_as_ms_then_seconds() -> None:
+    assert (analysis.ms(0.0842), analysis.ms(37.81595), analysis.pct(0.412), analysis.cpus(3.94)) == \
+        ("84.2 ms", "37.82 s", "41 %", "3.9")
+
+
 def test_percentile_interpolates() -> None:
     assert analysis.percentile([1.0], 0.9) == 1.0
     assert analysis.percentile([float(v) for v in range(1, 11)], 0.9) == pytest.approx(9.1)
