@@ -73,6 +73,8 @@ def build_config(data_root: Path, ann_file: Path, args: argparse.Namespace) -> d
         env_cfg=dict(cudnn_benchmark=False, mp_cfg=dict(mp_start_method="fork", opencv_num_threads=0),
                      dist_cfg=dict(backend="nccl" if _cuda() else "gloo")),
         launcher="pytorch" if "RANK" in os.environ and "WORLD_SIZE" in os.environ else "none",
+        # DDP of a CPU module takes no device_ids (mmengine passes LOCAL_RANK by default).
+        **({} if _cuda() else {"model_wrapper_cfg": dict(type="MMDistributedDataParallel", device_ids=None)}),
         log_level="INFO",
     )
 
@@ -98,6 +100,13 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     from mmengine.config import Config
     from mmengine.runner import Runner
+
+    if "RANK" in os.environ and not _cuda():
+        # mmengine 0.10's init_dist calls torch.cuda.set_device, which a CPU build of torch lacks; a
+        # process group that already exists is used as is (gloo on the CPU).
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
 
     with tempfile.TemporaryDirectory(prefix="loongkit-mmdet-") as tmp:
         data_root = Path(tmp) / "data"
