@@ -351,6 +351,20 @@ def test_get_geometry_of_a_frustum_that_is_not_a_grid(tmp_path: Path) -> None:
         assert ctx.record.calls == 1
 
 
+def test_get_geometry_after_the_frustum_changes_in_place(project: tuple[Any, ActivationContext]) -> None:
+    """A grid frustum, then one point of its last depth bin moved through ``.data`` (no version bump): the
+    grid is re-checked at every call, so the second call takes the general path, still bit for bit."""
+    module, ctx = project
+    gen = torch.Generator().manual_seed(SEED + 45)
+    lss = module.LSSTransform(256, 8, (256, 704), (16, 44), *BOUNDS, (-10.0, 10.0, 20.0), (1.0, 60.0, 1.0))
+    args, extra = upstream.camera_inputs(1, torch.float32, gen)
+    assert_bitwise(*reversed(geometries(module, lss, args, extra)))
+    lss.frustum.data[-1, -1, -1, 0] += 0.5
+    theirs, mine = geometries(module, lss, args, extra)
+    assert_bitwise(mine, theirs)
+    assert ctx.record.calls == 2
+
+
 def test_self_check_keeps_upstream_when_rounding_differs(project: tuple[Any, ActivationContext],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Should the elementwise formulation round otherwise than upstream's matmuls (simulated: a last-bit

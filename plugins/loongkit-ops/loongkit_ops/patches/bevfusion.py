@@ -138,15 +138,22 @@ def _dot(row: Sequence[Any], planes: Sequence[Any]) -> Any:
     return acc
 
 
-def _grid_axes(frustum: Any) -> tuple[Any, Any, Any] | None:
-    """(u [W], v [H], d [D]) when ``frustum[d, h, w]`` is bit for bit (u[w], v[h], d[d]), as upstream makes it."""
+def _grid_axes(frustum: Any, chunk: int = CHUNK) -> tuple[Any, Any, Any] | None:
+    """(u [W], v [H], d [D]) when ``frustum[d, h, w]`` is bit for bit (u[w], v[h], d[d]), as upstream makes it.
+
+    Checked at every call (a frustum can change in place unseen, through ``.data``), in slices of at
+    most ``chunk`` points: serial ops, no OpenMP region to wake.
+    """
     import torch
 
-    u, v, d = frustum[0, 0, :, 0], frustum[0, :, 0, 1], frustum[:, 0, 0, 2]
+    D, H, W = frustum.shape[:3]
     bits = torch.int32 if frustum.dtype == torch.float32 else torch.int64
-    for plane, axis in ((frustum[..., 0], u[None, None, :]), (frustum[..., 1], v[None, :, None]),
-                        (frustum[..., 2], d[:, None, None])):
-        if not bool((plane.view(bits) == axis.view(bits)).all()):
+    u, v, d = frustum[0, 0, :, 0], frustum[0, :, 0, 1], frustum[:, 0, 0, 2]
+    ub, vb, db = u.view(bits)[None, None, :], v.view(bits)[None, :, None], d.view(bits)[:, None, None]
+    step = max(1, chunk // (H * W))
+    for d0 in range(0, D, step):
+        part = frustum[d0:d0 + step].view(bits)
+        if not bool(((part[..., 0] == ub) & (part[..., 1] == vb) & (part[..., 2] == db[d0:d0 + step])).all()):
             return None
     return u, v, d
 
