@@ -1,0 +1,1 @@
+from . import dense_heads, detectors, modules  # noqa: F401  (registration)

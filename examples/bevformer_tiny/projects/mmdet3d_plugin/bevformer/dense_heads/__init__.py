@@ -1,0 +1,3 @@
+from .bevformer_head import BEVFormerHead
+
+__all__ = ["BEVFormerHead"]

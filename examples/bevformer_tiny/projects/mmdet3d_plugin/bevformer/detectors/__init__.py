@@ -1,0 +1,3 @@
+from .bevformer import BEVDataPreprocessor, BEVFormer
+
+__all__ = ["BEVDataPreprocessor", "BEVFormer"]

@@ -1,0 +1,1 @@
+from . import bbox  # noqa: F401  (registration)
