@@ -24,6 +24,7 @@ from loongkit_ops.patches.voxelize import Voxelization as VoxelizationImpl  # no
 from loongkit_ops.plugin import plugin  # noqa: E402
 
 from loongkit_core.context import ActivationContext, NotApplicable  # noqa: E402
+from loongkit_core.kit import FeatureImpl  # noqa: E402
 
 SEED = int(torch.seed() % 2**31)
 TARGET = "mmcv.ops.voxelize"
@@ -200,3 +201,20 @@ def test_end_to_end_torch_out_of_range(run_loongkit: Callable[..., Any], tmp_pat
     assert result.returncode == 0, result.stderr
     row = result.feature("voxelization")
     assert row["state"] == "not applicable" and "2.3.1" in row["reason"], row
+
+
+def test_apply_undo_apply() -> None:
+    """The default deactivate (ctx.patcher.undo()) leaves mmcv's _Voxelization exactly as found; applying
+    again patches again."""
+    module = sys.modules[TARGET]
+    assert VoxelizationImpl.deactivate is FeatureImpl.deactivate
+    prior = dict(vars(module._Voxelization))
+    impl, ctx = activation()
+    points = cloud(torch.Generator().manual_seed(SEED), 500, NUSCENES[1])
+    for round_ in (1, 2):
+        impl.activate(ctx, TARGET)
+        assert vars(module._Voxelization)["forward"] is not prior["forward"]
+        module.voxelization(points, *NUSCENES, 10, 2000, True)
+        assert ctx.record.calls == round_
+        impl.deactivate(ctx)
+        assert dict(vars(module._Voxelization)) == prior and len(ctx.patcher) == 0

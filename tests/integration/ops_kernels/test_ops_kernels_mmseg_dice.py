@@ -19,6 +19,7 @@ from loongkit_ops.patches.dice import DiceLossMmseg1  # noqa: E402
 from loongkit_ops.plugin import plugin  # noqa: E402
 
 from loongkit_core.context import ActivationContext, NotApplicable  # noqa: E402
+from loongkit_core.kit import FeatureImpl  # noqa: E402
 
 SEED = int(torch.seed() % 2**31)
 TOL = {torch.float32: {"rtol": 2e-5, "atol": 1e-6}, torch.float64: {"rtol": 1e-10, "atol": 1e-12}}
@@ -155,3 +156,22 @@ def test_end_to_end_summary(run_loongkit: Callable[..., Any]) -> None:
     assert row["active"] and row["calls"] == 1, row
     seed_row = result.feature("dice_loss")  # the seed's 0.x variable never touches mmseg 1.2's loss
     assert seed_row["state"] == "not applicable" and "mmseg" in seed_row["reason"], seed_row
+
+
+def test_apply_undo_apply() -> None:
+    """The default deactivate (ctx.patcher.undo()) leaves mmseg's DiceLoss exactly as found; applying again
+    patches again."""
+    module = sys.modules["mmseg.models.losses.dice_loss"]
+    assert DiceLossMmseg1.deactivate is FeatureImpl.deactivate
+    prior = dict(vars(module.DiceLoss))
+    gen = torch.Generator().manual_seed(SEED)
+    pred = torch.randn(2, 4, 5, 6, generator=gen)
+    target = torch.randint(0, 4, (2, 5, 6), generator=gen)
+    impl, ctx = activation()
+    for round_ in (1, 2):
+        impl.activate(ctx, "mmseg.models.losses.dice_loss")
+        assert vars(module.DiceLoss)["forward"] is not prior["forward"]
+        module.DiceLoss(use_sigmoid=False)(pred, target)
+        assert ctx.record.calls == round_
+        impl.deactivate(ctx)
+        assert dict(vars(module.DiceLoss)) == prior and len(ctx.patcher) == 0
