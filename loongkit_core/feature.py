@@ -98,6 +98,7 @@ class FeatureRecord:
     enabled: bool = False
     config: object = None  # what the Summary shows in its "Configurations" column
     calls: int = 0  # times its code ran in this process (the Summary's '*')
+    activation_calls: int = 0  # of ``calls``, those made inside the activation hook itself
     worker_calls: int = 0  # times it ran in this process's DataLoader workers (reported at exit)
     workers: int = 0  # how many distinct DataLoader workers ran it
     node: dict[int, dict[str, int]] | None = None  # local rank 0 under torchrun: local rank -> totals

@@ -9,7 +9,6 @@ Summary row and a Summary "Plugin faults" line, and the user's program goes on (
 from __future__ import annotations
 
 import atexit
-import difflib
 import os
 import signal
 import sys
@@ -17,15 +16,18 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from types import ModuleType
-from typing import Any
 
-from loongkit_core import activity, importhooks, log, requirements
+from loongkit_core import activity, importhooks, log, requirements, resolved
 from loongkit_core import process as process_mod
 from loongkit_core import summary as summary_mod
+from loongkit_core._boot import CORE_VARIABLES, bool_or_none, is_unset
 from loongkit_core.context import ActivationContext, Environment, NotApplicable
 from loongkit_core.feature import Feature, FeatureRecord, PolicyDecision, State
 from loongkit_core.manager import Fault, PluginManager
-from loongkit_core.settings import CORE_VARIABLES, CoreSettings, bool_or_none, is_unset, load_settings
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms in every booting process)
+if TYPE_CHECKING:
+    from typing import Any
 
 # Set by ``loongkit-run`` to its own pid, which the command it execs keeps: "this is the command the user
 # put loongkit in front of" (its children and a script's inner Pythons have other pids).
@@ -44,17 +46,33 @@ class Runtime:
     """One process's loongkit: its settings, plugins and feature records."""
 
     def __init__(self, environ: Mapping[str, str] | None = None, *, arm: bool = True,
-                 process: process_mod.ProcessInfo | None = None) -> None:
+                 process: process_mod.ProcessInfo | None = None, resolution: resolved.Data | None = None) -> None:
         self.environ: Mapping[str, str] = os.environ if environ is None else environ
-        self.settings, self.settings_warnings = load_settings(CoreSettings, environ=environ)
+        # ``resolution``: what a full boot of this job resolved (loongkit_core.resolved); boot() then
+        # restores it instead of resolving, and the settings are the ones validated there (no pydantic).
+        self.resolution = resolution
+        self.settings: Any
+        if resolution is not None:
+            self.settings, self.settings_warnings = resolved.SettingsSnapshot(resolution["settings"]), []
+        else:
+            from loongkit_core.settings import CoreSettings, load_settings
+
+            self.settings, self.settings_warnings = load_settings(CoreSettings, environ=environ)
         self.warnings: list[str] = []  # every warning of the boot, in order (``loongkit-run --info`` shows them)
+        # The boot's warnings and faults in order, as resolved.capture keeps them for a process that
+        # reuses this resolution to replay: ("warning", message, context) or ("fault", fault fields).
+        self.boot_events: list[tuple[Any, ...]] = []
+        self._unconfirmed: set[str] = set()  # restored armed features whose detect/configure run at activation
+        # Called once resolved, before anything is armed (start() writes the resolution there).
+        self.after_resolve: Callable[[Runtime], None] | None = None
         self.log_faults = True  # False: a probe (loongkit-run) whose command logs the same faults itself
         self.process = process or process_mod.detect()
         self.manager = PluginManager(on_fault=self._on_fault)
         self.records: dict[str, FeatureRecord] = {}
         self.contexts: dict[str, ActivationContext] = {}
         self.policies: dict[str, PolicyDecision] = {}
-        self.env = Environment(self.settings, self.process, environ)
+        self.env = Environment(self.settings, self.process, environ,
+                               hardware_loader=resolved.hardware_loader(resolution) if resolution else None)
         self._arm = arm
         self._summary_done = False
         self._booting = True
@@ -70,6 +88,9 @@ class Runtime:
 
     # -- faults --------------------------------------------------------------------------------
     def _on_fault(self, fault: Fault) -> None:
+        if self._booting:
+            self.boot_events.append(("fault", (fault.plugin, fault.where, fault.error, fault.traceback,
+                                               fault.feature)))
         if self.log_faults:
             self.log.error("plugin fault", plugin=fault.plugin, where=fault.where, feature=fault.feature,
                            error=fault.error, traceback=fault.traceback)
@@ -92,25 +113,83 @@ class Runtime:
             destination = log.configure("error", "stderr", self.process)
         self.log = log.get_logger("loongkit.core")
         self.log.info("loongkit boot", role=self.process.role, argv=list(getattr(sys, "orig_argv", sys.argv)),
-                      log=destination.kind)
-        for warning in self.settings_warnings:
-            self._warn(warning)
-        disabled = {p.strip() for p in self.settings.disable_plugins.split(",") if p.strip()}
-        self.manager.load_entry_points(disabled)
-        for name in self.manager.disabled:
-            self.log.info(f"plugin {name} disabled by LOONGKIT_DISABLE_PLUGINS")
-        self.declare()
-        self.check_unknown_variables()
-        self.resolve()
+                      log=destination.kind, resolution=self.resolution["path"] if self.resolution else None)
+        if self.resolution is not None:
+            self.restore(self.resolution)
+        else:
+            for warning in self.settings_warnings:
+                self._warn(warning)
+            disabled = {p.strip() for p in self.settings.disable_plugins.split(",") if p.strip()}
+            self.manager.load_entry_points(disabled)
+            for name in self.manager.disabled:
+                self.log.info(f"plugin {name} disabled by LOONGKIT_DISABLE_PLUGINS")
+            self.declare()
+            self.check_unknown_variables()
+            self.resolve()
+        self._booting = False  # what follows (activation) is this process's own, not the resolution's
+        if self.after_resolve is not None and self.resolution is None:
+            self.after_resolve(self)
         if self._arm:
             importhooks.set_error_handler(self._import_hook_error)
             for record in self.records.values():
                 if record.state == State.ARMED:
                     self.arm(record)
-        self._booting = False
         self.log.info("loongkit ready", seconds=round(time.perf_counter() - start, 4),
                       enabled=[r.feature.name for r in self.records.values() if r.enabled])
         return self
+
+    def restore(self, data: resolved.Data) -> None:
+        """What the full boot that wrote ``data`` resolved, replayed here: its entry points (plugins load
+        on demand), records, policies, and its warnings and faults in their order (logged again; under
+        LOONGKIT_STRICT=1 the first fault raises, as it did there)."""
+        self.manager.restore(data["entry_points"], data["disabled"], data["disabled_unmatched"], data["installed"])
+        for name in self.manager.disabled:
+            self.log.info(f"plugin {name} disabled by LOONGKIT_DISABLE_PLUGINS")
+        self.records = resolved.records(data)
+        self.policies = resolved.policies(data)
+        for event in data["events"]:
+            if event[0] == "warning":
+                self._warn(event[1], **event[2])
+            else:
+                fault = resolved.fault(event[1])
+                self.manager.faults.append(fault)
+                self._on_fault(fault)
+        for record in self.records.values():
+            if record.reason.startswith("off by hardware policy: "):
+                self.log.info("feature off by hardware policy", feature=record.feature.name, policy=record.policy)
+        self._log_resolved()
+        self._unconfirmed = {name for name, r in self.records.items() if r.state == State.ARMED}
+
+    def _confirm(self, record: FeatureRecord) -> bool:
+        """Before the first activation of a feature restored from a resolution: load its plugin, then run
+        its ``detect`` and ``configure`` here (implementations keep what these find for ``activate``).
+        False when it does not apply after all (or its plugin fails): the record says why."""
+        name = record.feature.name
+        if name not in self._unconfirmed:
+            return True
+        self._unconfirmed.discard(name)
+        if not self.manager.ensure(record.feature.plugin):
+            if record.state != State.FAILED:
+                record.state, record.reason = State.FAILED, f"plugin {record.feature.plugin} did not load"
+            return False
+        reason = self._owner_call(record, "loongkit_detect", feature=record.feature, env=self.env)
+        if record.state == State.FAILED:
+            return False
+        if reason:
+            record.state, record.reason = State.NOT_APPLICABLE, str(reason)
+            self.log.log(30 if record.explicit else 20, "feature not applicable", feature=name, reason=record.reason)
+            return False
+        result = self._owner_call(record, "loongkit_configure", feature=record.feature, env=self.env,
+                                  policy=self.policies.get(name))
+        if record.state == State.FAILED:
+            return False
+        if result is not None:
+            config, warnings = result
+            record.config = config
+            for warning in warnings:  # the resolution's own were replayed at boot
+                if warning not in self.warnings:
+                    self._warn(warning, feature=name)
+        return True
 
     def declare(self) -> None:
         """Collect every plugin's features; a name declared twice keeps the first plugin's (by name)."""
@@ -157,7 +236,9 @@ class Runtime:
         if self.manager.disabled:
             if unread:
                 warnings.append(f"read by no loaded plugin: {', '.join(unread)} ({self.disabled_plugins_note()})")
-        else:
+        elif unread:
+            import difflib
+
             for name in unread:
                 close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
                 hint = f"; did you mean {close[0]}?" if close else ""
@@ -171,6 +252,8 @@ class Runtime:
 
     def _warn(self, message: str, **context: Any) -> None:
         self.warnings.append(message)
+        if self._booting:
+            self.boot_events.append(("warning", message, context))
         self.log.warning(message, **context)
 
     def resolve(self) -> None:
@@ -207,6 +290,9 @@ class Runtime:
                     needs = ", ".join(self.records[d].feature.env if d in self.records else d for d in missing)
                     record.state = State.NOT_APPLICABLE
                     record.reason = f"needs {needs} enabled and applicable"
+        self._log_resolved()
+
+    def _log_resolved(self) -> None:
         for record in self.records.values():
             if record.enabled:
                 self.log.log(
@@ -292,13 +378,19 @@ class Runtime:
     def activate(self, record: FeatureRecord, target: str | None) -> None:
         if record.state in (State.FAILED, State.NOT_APPLICABLE):
             return
+        if not self._confirm(record):
+            return
         ctx = self.context(record)
         start = time.perf_counter()
         record.reason = ""  # the hook may set one ("no CUDA device") that the Summary shows
+        calls_before = record.calls
         try:
             with _watchdog(self.settings.activation_timeout):
-                self.manager.call_owner(record.feature.plugin, "loongkit_activate", feature=record.feature,
-                                        target=target, ctx=ctx)
+                try:
+                    self.manager.call_owner(record.feature.plugin, "loongkit_activate", feature=record.feature,
+                                            target=target, ctx=ctx)
+                finally:
+                    record.activation_calls += record.calls - calls_before
         except NotApplicable as exc:
             ctx.patcher.undo()
             record.state, record.reason = State.NOT_APPLICABLE, str(exc) or "not applicable"
@@ -422,14 +514,16 @@ class Runtime:
 
     # -- activity across processes ---------------------------------------------------------------
     def is_training_job(self) -> bool:
-        """Whether this process prints its Summary on stdout: an optimizer stepped, features ran in its
-        DataLoader workers (or, for local rank 0, in the node's ranks), or it is the very command
+        """Whether this process prints its Summary on stdout: an optimizer stepped, the program called a
+        patched function, features ran in its DataLoader workers (or, for local rank 0, in the node's
+        ranks), or it is the very command
         ``loongkit-run`` started and it imported a feature's target. Other processes under a
         container-wide ``PYTHONPATH`` (``pip``, helper scripts, ``NGPU=$(python -c "import torch; ...")``,
         the prelude-path recipe) keep their stdout clean: their Summary goes to their log only."""
-        # A feature's own calls in this process are no sign: some act on import in every process
-        # (CONFIG_GUARDS checks the CPU budget when torch loads).
-        if self.optimizer_stepped or any(r.worker_calls or r.node for r in self.records.values()):
+        # Calls made while activating are no sign: some features act on import in every process
+        # (CONFIG_GUARDS checks the CPU budget when torch loads). Calls the program made later are.
+        if self.optimizer_stepped or any(r.calls > r.activation_calls or r.worker_calls or r.node
+                                         for r in self.records.values()):
             return True
         launched = os.environ.get(LAUNCHED_ENV) == str(self.process.pid)
         return launched and bool(self.targets_seen)
@@ -611,22 +705,54 @@ def current() -> Runtime | None:
 
 
 def start() -> Runtime | None:
-    """Boot once per process (idempotent); never raises unless LOONGKIT_STRICT=1."""
+    """Boot once per process (idempotent); never raises unless LOONGKIT_STRICT=1.
+
+    The job's resolution is reused when there is one for this process (loongkit_core.resolved): its
+    DataLoader workers, ranks and re-runs then boot without resolving; a full boot writes one."""
     global _runtime
     if _runtime is not None:
         return _runtime
-    runtime = Runtime()
-    _runtime = runtime
-    if runtime.process.role in (process_mod.LAUNCHER, process_mod.HELPER):
+    process = process_mod.detect()
+    if process.role in (process_mod.LAUNCHER, process_mod.HELPER):
         # torchrun's agent and helper processes train nothing; binding or patching them would
         # leak into every rank they start.
+        runtime = _runtime = Runtime(process=process)
         runtime.records = {}
         return runtime
+    reuse = resolved.wanted(os.environ)
+    modules = set(sys.modules)
+    key = resolved.material(os.environ, process) if reuse else {}
+    data = None
+    if reuse:
+        try:
+            data = resolved.load(os.environ, process, key)
+        except Exception:  # an unreadable resolution is no resolution
+            data = None
+    runtime = _runtime = Runtime(process=process, resolution=data)
+    written: list[resolved.Data] = []
+    if reuse and data is None:
+        real = runtime.env.environ
+        recorder = runtime.env.environ = resolved.RecordingEnviron(real)
+
+        def keep(rt: Runtime) -> None:  # resolved, nothing armed yet: what the job's other processes reuse
+            rt.env.environ = real
+            try:
+                stored = resolved.store(rt, key, recorder.reads, iter(set(sys.modules) - modules))
+            except Exception as exc:  # never the user's problem; the next process resolves in full
+                rt.log.info("cannot write the resolution for this job's other processes", error=repr(exc))
+                return
+            if stored is not None:
+                written.append(stored)
+
+        runtime.after_resolve = keep
     try:
         runtime.boot()
     except LoongkitStrictError:
         raise
     except Exception as exc:
         runtime.manager.fault("<core>", "boot", exc)
+    used = data if data is not None else (written[0] if written else None)
+    if used is not None and process.role != process_mod.WORKER:
+        os.environ[resolved.ENV] = resolved.handoff(used)  # this process's DataLoader workers start from it
     runtime.install_exit_handlers()
     return runtime
