@@ -1,7 +1,10 @@
 """The fast path every loader goes through: stdlib only, microseconds when nothing is requested.
 
 It scans ``os.environ`` for a LOONGKIT_* variable that could enable something and stops there if
-there is none; only then does it import the runtime (pydantic, structlog, pluggy, plugins).
+there is none; only then does it import the runtime. The product's rules for LOONGKIT_* values
+(bools, empty = unset) live here too, stdlib only, so that a process reusing its job's resolution
+(:mod:`loongkit_core.resolved`) reads its switches without importing pydantic;
+:mod:`loongkit_core.settings` re-exports them.
 """
 
 from __future__ import annotations
@@ -13,11 +16,60 @@ import sys
 _PASSIVE = frozenset({
     "LOONGKIT_LOGLEVEL", "LOONGKIT_LOGDIR", "LOONGKIT_STRICT", "LOONGKIT_SUMMARY_JSON",
     "LOONGKIT_SYSFS_ROOT", "LOONGKIT_ACTIVATION_TIMEOUT", "LOONGKIT_DISABLE_PLUGINS", "LOONGKIT_KERNEL_CACHE",
-    "LOONGKIT_KERNEL_ISA",
+    "LOONGKIT_KERNEL_ISA", "LOONGKIT_RESOLVE_ONCE",
 })
 _OFF = frozenset({"", "0", "off", "no"})
 
+TRUE_WORDS = frozenset({"1", "on", "yes"})
+FALSE_WORDS = frozenset({"0", "off", "no"})
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+# Variables read by the core itself (not by a feature).
+CORE_VARIABLES = (
+    "LOONGKIT_ALL",
+    "LOONGKIT_LOGLEVEL",
+    "LOONGKIT_LOGDIR",
+    "LOONGKIT_STRICT",
+    "LOONGKIT_SUMMARY_JSON",
+    "LOONGKIT_SYSFS_ROOT",
+    "LOONGKIT_ACTIVATION_TIMEOUT",
+    "LOONGKIT_DISABLE_PLUGINS",
+    "LOONGKIT_KERNEL_CACHE",  # where plugins cache compiled kernels (read by loongkit_core.kernels)
+    "LOONGKIT_KERNEL_ISA",  # a lower instruction set for the compiled kernels (read by loongkit_core.kernels)
+    "LOONGKIT_RESOLVE_ONCE",  # 0: every process resolves in full (read by loongkit_core.resolved)
+)
+
 PRELUDE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prelude")
+
+
+def parse_bool(value: object) -> bool:
+    """The seed's bool rule; raises ValueError for an undefined value."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in TRUE_WORDS:
+            return True
+        if word in FALSE_WORDS:
+            return False
+    raise ValueError(f"{value!r} is not one of 1/on/yes/0/off/no")
+
+
+def is_unset(value: str | None) -> bool:
+    """The one rule for every LOONGKIT_* variable: absent, empty or all blank means unset."""
+    return value is None or not value.strip()
+
+
+def bool_or_none(value: str | None) -> tuple[bool | None, bool]:
+    """Parse an optional bool variable: (value or None when unset/undefined, was_it_invalid)."""
+    if is_unset(value):
+        return None, False
+    try:
+        return parse_bool(value), False
+    except ValueError:
+        return None, True
 
 
 def requested(environ: dict[str, str] | os._Environ[str] | None = None) -> bool:

@@ -28,7 +28,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms in every booting process)
+if TYPE_CHECKING:
+    from typing import Any
 
 ENV = "_LOONGKIT_ACTIVITY"  # "<channel dir>:<main pid>", set by a main process for its children
 FLUSH_INTERVAL = 1.0  # seconds between a worker's reports while its counts change

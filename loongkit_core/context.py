@@ -5,18 +5,20 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
 
 from loongkit_core import requirements
 from loongkit_core.patcher import Patcher
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms in every booting process)
 if TYPE_CHECKING:
+    from typing import Any, TypeVar
+
     from loongkit_core.feature import Feature, FeatureRecord, State
     from loongkit_core.hardware import Hardware
     from loongkit_core.process import ProcessInfo
     from loongkit_core.settings import CoreSettings
 
-F = TypeVar("F", bound=Callable[..., Any])
+    F = TypeVar("F", bound=Callable[..., Any])
 
 
 class NotApplicable(Exception):

@@ -32,6 +32,20 @@ if TYPE_CHECKING:
     from loongkit_core.settings import LoongkitSettings
 
 
+def options_set(environ: Mapping[str, str], names: Sequence[str]) -> bool:
+    """Whether ``configure`` has an option to validate: one of ``names`` (LOONGKIT_* variables, matched
+    case-insensitively like :func:`loongkit_core.settings.load_settings`) is set and not empty, or a
+    conformance check is recording which settings models ``configure`` loads. When False, a feature may
+    skip its options model, and with it importing pydantic-settings (~60 ms in every process)."""
+    import sys
+
+    settings = sys.modules.get("loongkit_core.settings")  # recording needs it imported: cheap to ask
+    if settings is not None and settings._loaded.get() is not None:
+        return True
+    wanted = {name.upper() for name in names}
+    return any(key.upper() in wanted and value.strip() for key, value in environ.items())
+
+
 class FeatureImpl:
     """One feature's behaviour. Subclass it and override what the feature needs.
 

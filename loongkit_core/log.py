@@ -16,7 +16,9 @@ Records are written with one unbuffered ``os.write`` each: nothing is lost on a 
 child has no inherited buffer to flush twice, and a failing write (disk full) is dropped silently.
 
 This module never calls ``structlog.configure()``: the user's program may use structlog itself, so
-every logger here carries its own processors and writes to its own sink.
+every logger here carries its own processors and writes to its own sink. structlog itself (~30 ms:
+it imports asyncio) is imported at the first record at or above the configured level; until then a
+record below it is dropped by a stdlib-only no-op, as structlog's own filtering logger would.
 """
 
 from __future__ import annotations
@@ -25,17 +27,16 @@ import contextlib
 import errno
 import os
 import re
-import secrets
 import stat
 import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
-import structlog
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms in every booting process)
+if TYPE_CHECKING:
+    from typing import Any
 
-from loongkit_core.process import ProcessInfo
+    from loongkit_core.process import ProcessInfo
 
 DEFAULT_DIRS: tuple[str, ...] = ("/var/log/loongkit", "/tmp/log/loongkit")
 
@@ -51,11 +52,22 @@ _FILE_MODE = 0o640
 _QUIET_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 
 
-@dataclass
-class Destination:
-    kind: str  # "stdout" | "stderr" | "file"
-    path: str | None  # the log file's path when kind == "file"
-    warnings: list[str] = field(default_factory=list)
+class Destination:  # a plain class: a dataclass costs ~0.4 ms to build in every booting process
+    __slots__ = ("kind", "path", "warnings")
+
+    def __init__(self, kind: str, path: str | None, warnings: list[str] | None = None) -> None:
+        self.kind = kind  # "stdout" | "stderr" | "file"
+        self.path = path  # the log file's path when kind == "file"
+        self.warnings: list[str] = [] if warnings is None else warnings
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Destination) and (self.kind, self.path, self.warnings) == (
+            other.kind, other.path, other.warnings)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Destination(kind={self.kind!r}, path={self.path!r}, warnings={self.warnings!r})"
 
     @property
     def directory(self) -> str | None:
@@ -148,7 +160,7 @@ def _check_dir(fd: int, path: str) -> None:
 
 def _probe_writable(fd: int, path: str) -> None:
     """Create and remove a file: the only check that is right for root and read-only mounts too."""
-    name = f".loongkit-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    name = f".loongkit-probe-{os.getpid()}-{os.urandom(4).hex()}"
     try:
         probe = os.open(name, _FILE_FLAGS | os.O_EXCL, 0o600, dir_fd=fd)
     except OSError as exc:
@@ -312,6 +324,8 @@ class _State:
         self.wrapper: type[Any] = _NullBoundLogger
         self.processors: list[Any] = []
         self.process: ProcessInfo | None = None
+        self.min_level = _LEVELS["warning"]
+        self.structlog_class: type[Any] | None = None  # the real bound logger, built at the first record
 
 
 class _NullBoundLogger:
@@ -330,7 +344,71 @@ class _NullBoundLogger:
     adebug = ainfo = awarning = awarn = aerror = aexception = acritical = afatal = amsg = alog = _anop
 
 
+# The level of each of structlog's filtering logger's methods.
+_METHOD_LEVELS = {"debug": 10, "info": 20, "msg": 20, "warning": 30, "warn": 30, "error": 40, "exception": 40,
+                  "critical": 50, "fatal": 50}
+_lazy_classes: dict[int, type[Any]] = {}
+
+
+def _nop(self: Any, *args: Any, **kw: Any) -> None:
+    return None
+
+
+def _lazy_class(min_level: int) -> type[Any]:
+    """A bound logger that drops records below ``min_level`` with a bare ``return None`` (like
+    structlog's filtering logger) and hands the others to the structlog logger it builds then."""
+    found = _lazy_classes.get(min_level)
+    if found is not None:
+        return found
+
+    def forward(name: str) -> Any:
+        def method(self: Any, event: Any = None, *args: Any, **kw: Any) -> Any:
+            return getattr(self._real(), name)(event, *args, **kw)
+
+        method.__name__ = name
+        return method
+
+    def log(self: Any, level: int, event: Any = None, *args: Any, **kw: Any) -> Any:
+        if level < min_level:
+            return None
+        return self._real().log(level, event, *args, **kw)
+
+    def _real(self: Any) -> Any:
+        if self._structlog is None:
+            self._structlog = _structlog_logger(self._logger, self._context)
+        return self._structlog
+
+    def __getattr__(self: Any, name: str) -> Any:  # async variants and the rest of structlog's API
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self._real(), name)
+
+    def __init__(self: Any, logger: Any, processors: Any, context: Any) -> None:
+        self._logger, self._context, self._structlog = logger, context, None
+
+    namespace: dict[str, Any] = {
+        "__slots__": ("_logger", "_context", "_structlog"), "__init__": __init__, "_real": _real, "log": log,
+        "__getattr__": __getattr__,
+        "is_enabled_for": lambda self, level: level >= min_level,
+        "get_effective_level": lambda self: min_level,
+    }
+    for name, level in _METHOD_LEVELS.items():
+        namespace[name] = forward(name) if level >= min_level else _nop
+    cls = _lazy_classes[min_level] = type(f"_LazyBoundLogger{min_level}", (), namespace)
+    return cls
+
+
+def _structlog_logger(logger: Any, context: dict[str, Any]) -> Any:
+    """The real structlog bound logger for the current configuration (imports structlog once)."""
+    if _state.structlog_class is None:
+        _state.structlog_class = _safe_class(_state.min_level)
+        _state.processors = _processors()
+    return _state.structlog_class(logger, _state.processors, context)
+
+
 def _safe_class(min_level: int) -> type[Any]:
+    import structlog
+
     base = structlog.make_filtering_bound_logger(min_level)
 
     class _SafeBoundLogger(base):  # type: ignore[valid-type,misc]
@@ -373,6 +451,8 @@ _KEY_ORDER = ["timestamp", "level", "logger", "pid", "role", "rank", "event"]
 
 
 def _make_renderer() -> Any:
+    import structlog
+
     logfmt = structlog.processors.LogfmtRenderer(key_order=_KEY_ORDER, drop_missing=True,
                                                  bool_as_flag=False)
 
@@ -387,6 +467,8 @@ def _make_renderer() -> Any:
 
 
 def _processors() -> list[Any]:
+    import structlog
+
     return [
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         structlog.processors.add_log_level,
@@ -479,8 +561,10 @@ def configure(
     """Set up loongkit's logging; a second call reconfigures (the old file is closed)."""
     destination = resolve_destination(logdir, process, candidates)
     destination = _activate(destination, process)
-    _state.wrapper = _safe_class(_LEVELS.get(level.strip().lower(), _LEVELS["warning"]))
-    _state.processors = _processors()
+    _state.min_level = _LEVELS.get(level.strip().lower(), _LEVELS["warning"])
+    _state.wrapper = _lazy_class(_state.min_level)
+    _state.structlog_class = None  # built for this level at the first record that passes it
+    _state.processors = []
     _state.generation += 1
     logger = get_logger("loongkit.log")
     for warning in destination.warnings:
@@ -523,6 +607,7 @@ def shutdown() -> None:
     """Close the log file; later records are dropped (as before configure())."""
     _output.close()
     _state.wrapper = _NullBoundLogger
+    _state.structlog_class = None
     _state.processors = []
     _state.process = None
     _state.generation += 1

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
-from typing import Any
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms in every booting process)
+if TYPE_CHECKING:
+    from typing import Any
 
 _MISSING = object()
 

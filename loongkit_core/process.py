@@ -81,9 +81,12 @@ def classify(argv: list[str]) -> str:
 
 
 def _hostname() -> str:
-    import socket  # not at module level: the fast path imports this module
+    try:
+        return os.uname().nodename  # what socket.gethostname() returns, without importing socket
+    except AttributeError:  # no uname (Windows)
+        import socket
 
-    return socket.gethostname()
+        return socket.gethostname()
 
 
 def detect() -> ProcessInfo:

@@ -7,12 +7,14 @@ the distributions that provide it (``mmsegmentation``; ``mmcv``, ``mmcv-full`` o
 from __future__ import annotations
 
 import functools
-import importlib.metadata
-from dataclasses import dataclass
+import importlib  # noqa: F401  # the package (loaded at start-up anyway); tests patch importlib.metadata here
 
-from packaging.requirements import InvalidRequirement, Requirement
-from packaging.specifiers import SpecifierSet
-from packaging.version import InvalidVersion, Version
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms in every booting process)
+if TYPE_CHECKING:
+    from packaging.version import Version
+
+# importlib.metadata and packaging (~30 ms together) are imported at the first check: a process that
+# reuses its job's resolution (loongkit_core.resolved) never checks a requirement.
 
 # module name -> distributions that install it, in the order they are looked for
 DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
@@ -30,16 +32,35 @@ DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
 }
 
 
-@dataclass(frozen=True)
-class Installed:
-    module: str
-    distribution: str
-    version: str
+class Installed(tuple):  # type: ignore[type-arg]  # a plain tuple subclass: no dataclass to build at boot
+    """The distribution that provides ``module``, at ``version`` (immutable, compares as its fields)."""
+
+    __slots__ = ()
+
+    def __new__(cls, module: str, distribution: str, version: str) -> Installed:
+        return tuple.__new__(cls, (module, distribution, version))
+
+    @property
+    def module(self) -> str:
+        return str(self[0])
+
+    @property
+    def distribution(self) -> str:
+        return str(self[1])
+
+    @property
+    def version(self) -> str:
+        return str(self[2])
+
+    def __repr__(self) -> str:
+        return f"Installed(module={self[0]!r}, distribution={self[1]!r}, version={self[2]!r})"
 
 
 @functools.cache
 def installed(module: str) -> Installed | None:
     """The installed distribution providing ``module``, from metadata only (cached per process)."""
+    import importlib.metadata
+
     for dist in DISTRIBUTIONS.get(module, (module,)):
         try:
             version = importlib.metadata.version(dist)
@@ -54,12 +75,18 @@ def installed(module: str) -> Installed | None:
 
 def _release(version: str) -> Version:
     """Drop the local label (``2.13.0+cpu`` -> ``2.13.0``) so ``<=1.8.0`` admits ``1.8.0+cu121``."""
+    from packaging.version import Version
+
     parsed = Version(version)
     return Version(parsed.public)
 
 
 def check(requirement: str) -> str | None:
     """Return None when ``requirement`` holds here, else a reason for the Summary."""
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion
+
     try:
         req = Requirement(requirement)
     except InvalidRequirement as exc:

@@ -22,53 +22,17 @@ from typing import Annotated, Any, ClassVar, TypeVar
 from pydantic import BeforeValidator, Field, ValidationError, ValidatorFunctionWrapHandler, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-TRUE_WORDS = frozenset({"1", "on", "yes"})
-FALSE_WORDS = frozenset({"0", "off", "no"})
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-
-# Variables read by the core itself (not by a feature).
-CORE_VARIABLES = (
-    "LOONGKIT_ALL",
-    "LOONGKIT_LOGLEVEL",
-    "LOONGKIT_LOGDIR",
-    "LOONGKIT_STRICT",
-    "LOONGKIT_SUMMARY_JSON",
-    "LOONGKIT_SYSFS_ROOT",
-    "LOONGKIT_ACTIVATION_TIMEOUT",
-    "LOONGKIT_DISABLE_PLUGINS",
-    "LOONGKIT_KERNEL_CACHE",  # where plugins cache compiled kernels (read by loongkit_core.kernels)
-    "LOONGKIT_KERNEL_ISA",  # a lower instruction set for the compiled kernels (read by loongkit_core.kernels)
+# The value rules are stdlib-only (the fast path and a process reusing its job's resolution read
+# switches without pydantic); re-exported here, where plugins have always found them.
+from loongkit_core._boot import (  # noqa: F401
+    CORE_VARIABLES,
+    FALSE_WORDS,
+    LOG_LEVELS,
+    TRUE_WORDS,
+    bool_or_none,
+    is_unset,
+    parse_bool,
 )
-
-
-def parse_bool(value: object) -> bool:
-    """The seed's bool rule; raises ValueError for an undefined value."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str):
-        word = value.strip().lower()
-        if word in TRUE_WORDS:
-            return True
-        if word in FALSE_WORDS:
-            return False
-    raise ValueError(f"{value!r} is not one of 1/on/yes/0/off/no")
-
-
-def is_unset(value: str | None) -> bool:
-    """The one rule for every LOONGKIT_* variable: absent, empty or all blank means unset."""
-    return value is None or not value.strip()
-
-
-def bool_or_none(value: str | None) -> tuple[bool | None, bool]:
-    """Parse an optional bool variable: (value or None when unset/undefined, was_it_invalid)."""
-    if is_unset(value):
-        return None, False
-    try:
-        return parse_bool(value), False
-    except ValueError:
-        return None, True
 
 
 def _parse_level(value: object) -> object:
@@ -204,3 +168,5 @@ class CoreSettings(LoongkitSettings):
         30.0, gt=0, le=3600, description="Seconds a feature's activation may take before it is abandoned."
     )
     disable_plugins: str = Field("", description="Comma-separated plugin names not to load.")
+    resolve_once: LkBool = Field(True, description="Reuse the job's resolution in its other processes "
+                                                   "(loongkit_core.resolved); 0: every process resolves in full.")

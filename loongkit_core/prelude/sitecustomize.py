@@ -22,12 +22,13 @@ def _loongkit_prelude() -> None:
         except (OSError, ValueError):
             return False
 
-    import importlib.machinery
-    import importlib.util
+    import importlib.machinery  # ~0.1 ms (importlib.util pulls contextlib and more: only when needed below)
 
     search = [p for p in sys.path if not same(p)]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", search)
     if spec is not None and spec.loader is not None and spec.origin != __file__:
+        import importlib.util  # pulls contextlib and friends: only when there is a user sitecustomize
+
         user = importlib.util.module_from_spec(spec)
         ours = sys.modules.get("sitecustomize")
         sys.modules["sitecustomize"] = user

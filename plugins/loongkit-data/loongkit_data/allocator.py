@@ -11,9 +11,7 @@ that retained memory over. Values: see ``GLIBC_TUNING`` and docs/benchmarks.md.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
-import platform
 import resource
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -64,7 +62,10 @@ JEMALLOC_CONF = "oversize_threshold:1,background_thread:true,metadata_thp:auto"
 
 def libc_name() -> tuple[str, str]:
     """("glibc", "2.36") / ("musl", "") / ("", "") from the interpreter's own libc, without spawning."""
-    name, version = platform.libc_ver()
+    try:  # what platform.libc_ver() finds by scanning the interpreter binary, from glibc itself
+        name, _, version = os.confstr("CS_GNU_LIBC_VERSION").partition(" ")
+    except (AttributeError, ValueError, OSError):
+        name, version = "", ""
     if name:
         return name, version
     try:  # musl's loader shows up in the process's maps
@@ -150,6 +151,8 @@ def find_library(kind: str, search: tuple[str, ...] = LIBRARY_DIRS) -> str | Non
             path = os.path.join(directory, name)
             if os.path.exists(path):
                 return path
+    import ctypes.util  # imports subprocess and shutil: only when a library is looked for
+
     found = ctypes.util.find_library(kind if kind == "jemalloc" else "tcmalloc_minimal")
     if found:
         for directory in search:

@@ -15,33 +15,61 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
-import resource
-from typing import Annotated, Any, Literal
-
-from pydantic import BeforeValidator, Field
-from pydantic_settings import SettingsConfigDict
+from typing import TYPE_CHECKING, Any
 
 from loongkit_core.context import ActivationContext, NotApplicable
-from loongkit_core.kit import FeatureImpl
-from loongkit_core.settings import LoongkitSettings
+from loongkit_core.kit import FeatureImpl, options_set
 from loongkit_data import allocator
 
+if TYPE_CHECKING:
+    from loongkit_core.settings import LoongkitSettings
+
 # Just above glibc's largest dynamic mmap threshold (32 MiB): always mmapped by default, so the probe
-# shows the storm; kept small because its page faults are the feature's own start-up cost.
+# shows the storm. Not run at boot (it cost ~34 ms and a 33 MiB temporary in every process): the
+# benchmarks and tests run it.
 PROBE_BYTES = 33 << 20
+ALLOCATOR_ENV = "LOONGKIT_MALLOC_ALLOCATOR"
+DEFAULT_ALLOCATOR = "glibc"
 
 
 def _lower(value: object) -> object:
     return value.strip().lower() if isinstance(value, str) else value
 
 
-class MallocOptions(LoongkitSettings):
-    model_config = SettingsConfigDict(env_prefix="LOONGKIT_MALLOC_", extra="ignore", case_sensitive=False)
+def _options_model() -> type[LoongkitSettings]:
+    """``MallocOptions``, built (pydantic-settings imported) at its first use: only a process with
+    LOONGKIT_MALLOC_ALLOCATOR set validates it."""
+    found = globals().get("MallocOptions")
+    if found is not None:
+        return found  # type: ignore[no-any-return]
+    from typing import Annotated, Literal
 
-    allocator: Annotated[Literal["glibc", "jemalloc", "tcmalloc"], BeforeValidator(_lower)] = Field(
-        "glibc", description="glibc (mallopt tuning), jemalloc or tcmalloc (preloaded).")
+    from pydantic import BeforeValidator, Field
+    from pydantic_settings import SettingsConfigDict
+
+    from loongkit_core.settings import LoongkitSettings
+
+    class MallocOptions(LoongkitSettings):
+        model_config = SettingsConfigDict(env_prefix="LOONGKIT_MALLOC_", extra="ignore", case_sensitive=False)
+
+        allocator: Annotated[Literal["glibc", "jemalloc", "tcmalloc"], BeforeValidator(_lower)] = Field(
+            DEFAULT_ALLOCATOR, description="glibc (mallopt tuning), jemalloc or tcmalloc (preloaded).")
+
+    MallocOptions.__qualname__ = "MallocOptions"
+    globals()["MallocOptions"] = MallocOptions
+    return MallocOptions
+
+
+def __getattr__(name: str) -> Any:  # ``from loongkit_data.malloc import MallocOptions`` builds it
+    if name == "MallocOptions":
+        return _options_model()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _is_options(value: object) -> bool:
+    model = globals().get("MallocOptions")  # never built: nothing can be one
+    return model is not None and isinstance(value, model)
 
 
 def probe_faults(size: int = PROBE_BYTES, cycles: int = 2) -> int:
@@ -49,6 +77,9 @@ def probe_faults(size: int = PROBE_BYTES, cycles: int = 2) -> int:
 
     Untuned, every cycle of a block above the mmap threshold faults afresh, so one cycle is enough
     there; tuned, the first cycle grows the heap and the second shows the reuse."""
+    import ctypes
+    import resource
+
     libc = ctypes.CDLL(None)
     libc.malloc.restype = ctypes.c_void_p
     libc.malloc.argtypes = [ctypes.c_size_t]
@@ -65,29 +96,29 @@ def probe_faults(size: int = PROBE_BYTES, cycles: int = 2) -> int:
     return faults
 
 
-def _trim() -> None:
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing was kept anyway
-        pass
-
-
 class Malloc(FeatureImpl):
-    options = MallocOptions
-
     def __init__(self, feature: Any) -> None:
         super().__init__(feature)
-        self.probe: tuple[int, int] | None = None
+        self.tuning: dict[str, object] | None = None  # what apply_glibc did in this process
         self.faults_at_boot = 0
-        self._options: MallocOptions | None = None
+        self._options: Any = None
+
+    def configure(self, env: Any, policy: Any) -> tuple[object, list[str]]:
+        """The options model when LOONGKIT_MALLOC_ALLOCATOR is set (validated, with a warning for a bad
+        value); else None, meaning the default allocator, glibc, without importing pydantic-settings."""
+        if not options_set(env.environ, (ALLOCATOR_ENV,)) and not (policy is not None and policy.option_defaults):
+            return None, []
+        from loongkit_core.settings import load_settings
+
+        defaults = policy.option_defaults if policy is not None else None
+        return load_settings(_options_model(), defaults=defaults, environ=env.environ)
 
     def activate(self, ctx: ActivationContext, target: str | None) -> None:
         # ctx.config is the parsed options until set_config shows what was done instead: kept for an
         # activation after an undo.
-        if isinstance(ctx.config, MallocOptions):
+        if _is_options(ctx.config):
             self._options = ctx.config
-        options = self._options or MallocOptions()
-        wanted = options.allocator
+        wanted = self._options.allocator if self._options is not None else DEFAULT_ALLOCATOR
         if ctx.env.process.role != "main":
             ctx.waiting("not a training process")
             return
@@ -119,28 +150,24 @@ class Malloc(FeatureImpl):
         if reason is not None:
             raise NotApplicable(reason)
         self.faults_at_boot = allocator.minor_faults()
-        default_faults = probe_faults(cycles=1)
         # Not undone by deactivate: glibc has no way to read the values in force, and a fixed
         # mmap threshold turns its dynamic one off for good (nothing to restore it with). The
         # environment changes above are undone (ctx.patcher.set_item).
         result = allocator.apply_glibc()
-        tuned_faults = probe_faults()
-        _trim()  # give the probe's block back: the tuning keeps later temporaries, not this one
-        self.probe = (default_faults, tuned_faults)
-        config.update(result.to_config())
+        self.tuning = result.to_config()
+        config.update(self.tuning)
         ctx.set_config(config)
-        ctx.detail("probe_faults_per_33MiB_temporary", {"default": default_faults, "tuned": tuned_faults})
-        ctx.log.info("glibc malloc tuned", **result.to_config(), probe_default=default_faults, probe_tuned=tuned_faults)
+        ctx.log.info("glibc malloc tuned", **self.tuning)
         if result.refused:
             ctx.log.warning("glibc refused some mallopt values", refused=result.refused)
         if result.applied:
             ctx.count()
 
     def summary_lines(self) -> list[str]:
-        if self.probe is None:
+        if self.tuning is None or "skipped" in self.tuning:
             return []
-        default, tuned = self.probe
         since = allocator.minor_faults() - self.faults_at_boot
-        return [f"malloc: a repeated {PROBE_BYTES >> 20} MiB temporary costs {default:,} minor faults with glibc "
-                f"defaults, "
-                f"{tuned:,} tuned (measured at boot); this process had {since:,} minor faults since boot"]
+        tuned = ", ".join(f"{k} {v}" for k, v in self.tuning.items() if k != "refused")
+        return [f"malloc: glibc tuned in this process ({tuned}); {since:,} minor faults since boot "
+                f"(faults saved per repeated {PROBE_BYTES >> 20} MiB temporary: probe_faults(), "
+                "benchmarks/allocator.py)"]
