@@ -1,19 +1,25 @@
 """Overhead of LOONGKIT_MONITOR on a real training job: examples/train_classifier.py, monitor off vs on.
 
-Same process, same model, same data: the job's own loop (the example's Net, Stripes and AdamW, with
-its DataLoader workers) runs in blocks of steps, alternately bare and with every monitor hook in
-place (optimizer hook, DataLoader timing, backward and collectives timing, the workers' samplers
-reporting through an activity channel). Each step is timed by the benchmark itself; the first steps
-of a block (worker start-up) are not counted. The hooks' own cost per step is also measured
-directly, and set against the example's step.
+Same process, same model, same data: the example's loop (its Net, Stripes and AdamW, a DataLoader
+with 2 workers) runs with the monitor's hooks (optimizer hook, DataLoader timing, backward and
+collectives timing) switched on and off between steps, in the order on, off, off, on, ... so that
+both variants see the same moments of the machine; each step is timed by the benchmark itself.
+The workers' sampler threads run throughout (they start with the workers); their cost is measured
+on its own. Two direct measurements complete the picture, since a shared machine's noise is far
+larger than the monitor's cost:
 
-Prints ``BENCH monitor_overhead_train_classifier baseline=<s> ours=<s> ratio=<baseline/ours>``
-(median step time, seconds) and ``BENCH monitor_hooks_per_step ...`` (seconds per step of a loop that
-does nothing but one fetch, one backward and one optimizer step, bare and hooked: the hooks' cost
-with nothing to hide it), then that cost as a share of the example's step.
+* the hooks' CPU time per step, on a loop that does nothing but one fetch, one backward and one
+  optimizer step (this thread's CPU time, so that preemption by other processes does not count);
+* a worker sampler's CPU time per sample (it samples every two seconds once started).
 
-    python benchmarks/monitor.py            # 8 rounds of 24 steps
-    python benchmarks/monitor.py --quick    # 4 rounds of 6 steps, batch 16: under a minute on a quiet machine
+Prints ``BENCH monitor_overhead_train_classifier baseline=<s> ours=<s> ratio=<baseline/ours>``: the
+median CPU seconds of the training thread per step (torch runs one compute thread here, so that the
+figure is the job's work and not the other tenants' preemption; the wall-clock medians follow on the
+last line), ``BENCH monitor_hooks_per_step ...`` (CPU seconds per step of the bare loop, bare and
+hooked), then the costs as shares of the example's step.
+
+    python benchmarks/monitor.py            # 320 steps
+    python benchmarks/monitor.py --quick    # 128 steps, batch 16: under a minute
 """
 
 from __future__ import annotations
@@ -25,7 +31,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +39,8 @@ from torch.utils.data import DataLoader
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
-from loongkit_monitor.feature import MonitorFeature, MonitorOptions  # noqa: E402
+from loongkit_monitor import dataworkers  # noqa: E402
+from loongkit_monitor.feature import EARLY_SAMPLES, MonitorFeature, MonitorOptions  # noqa: E402
 from loongkit_monitor.plugin import plugin  # noqa: E402
 from train_classifier import Net, Stripes  # noqa: E402
 
@@ -42,7 +48,7 @@ from loongkit_core.context import ActivationContext  # noqa: E402
 
 TARGETS = ("torch.optim.optimizer", "torch.utils.data.dataloader", "torch.autograd", "torch.distributed",
            "torch.nn.parallel.distributed")
-SKIP = 2  # steps of each block not timed (its DataLoader workers start)
+SKIP = 3  # first steps not timed (workers starting, first kernels)
 
 
 class Hooks:
@@ -57,6 +63,11 @@ class Hooks:
         self.ctx = ActivationContext.standalone(self.feature, config=MonitorOptions())
         for target in TARGETS:
             self.impl.activate(self.ctx, target)
+        # Steady state: a fresh monitor samples each of its first EARLY_SAMPLES steps (once per run,
+        # measured on its own in main()); switched on for one step at a time, it would never leave them.
+        monitor = self.impl.monitor
+        assert monitor is not None
+        monitor.rec.steps = EARLY_SAMPLES
 
     def off(self) -> None:
         if self.ctx is not None:
@@ -64,28 +75,42 @@ class Hooks:
             self.ctx = None
 
 
-def train_block(model: Any, opt: Any, dataset: Any, steps: int, batch: int, workers: int) -> list[float]:
-    times = []
-    loader = DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=workers)
-    start = time.perf_counter()
-    for i, (images, labels) in enumerate(loader):
+def interleaved(hooks: Hooks, steps: int, batch: int, workers: int) -> dict[str, list[float]]:
+    """Step times of the example's loop with the hooks off and on, switched between steps (ABBA):
+    wall seconds and this thread's CPU seconds, per variant."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    loader = DataLoader(Stripes((steps + SKIP) * batch), batch_size=batch, shuffle=True, num_workers=workers)
+    times: dict[str, list[float]] = {"bare": [], "hooked": [], "bare_cpu": [], "hooked_cpu": []}
+    hooks.on()  # the workers start with the monitor on: their samplers run for the whole loop
+    iterator = iter(loader)
+    hooks.off()
+    for i in range(steps + SKIP):
+        on = i % 4 in (0, 3)
+        hooks.on()  # both variants follow an activation (it disturbs the caches a little)
+        if not on:
+            hooks.off()
+        start, cpu = time.perf_counter(), time.thread_time()
+        images, labels = next(iterator)
         loss = F.cross_entropy(model(images), labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        now = time.perf_counter()
+        seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
+        if on:
+            hooks.off()
         if i >= SKIP:
-            times.append(now - start)
-        start = now
-        if i + 1 >= steps + SKIP:
-            break
+            key = "hooked" if on else "bare"
+            times[key].append(seconds)
+            times[f"{key}_cpu"].append(cpu)
+    del iterator
     return times
 
 
 def per_step_cost(hooks: Hooks, rounds: int, steps: int) -> tuple[float, float]:
     """The hooks' work per training step (one fetch, one backward, one optimizer step), timed on a
-    loop that does nothing else: bare and hooked CPU seconds of this thread per step (CPU time, so that
-    the other processes of a shared machine, which preempt it, do not count)."""
+    loop that does nothing else: bare and hooked CPU seconds of this thread per step."""
     model = torch.nn.Linear(1, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     x = torch.ones(1, 1)
@@ -107,42 +132,57 @@ def per_step_cost(hooks: Hooks, rounds: int, steps: int) -> tuple[float, float]:
     return min(bare), min(hooked)
 
 
+def main_sample_cost(samples: int) -> float:
+    """CPU seconds of one sample of the main process (a run takes EARLY_SAMPLES at its start, then at
+    most two a second)."""
+    from loongkit_monitor import procstat
+
+    t0 = time.thread_time()
+    for _ in range(samples):
+        procstat.sample()
+    return (time.thread_time() - t0) / samples
+
+
+def sampler_cost(directory: str, samples: int) -> float:
+    """CPU seconds of one worker sample (its usage, private memory every fifth time, the report)."""
+    sampler = dataworkers.WorkerSampler(directory, main_pid=os.getpid(), worker_id=0)
+    t0 = time.thread_time()
+    for _ in range(samples):
+        sampler.flush()
+    return (time.thread_time() - t0) / samples
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds and steps (under a minute)")
+    parser.add_argument("--quick", action="store_true", help="128 steps, batch 16 (under a minute)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32)
     args = parser.parse_args()
-    rounds, steps, batch = (4, 6, 16) if args.quick else (8, 24, args.batch_size)
-    torch.manual_seed(0)
+    steps, batch = (128, 16) if args.quick else (320, args.batch_size)
     channel = tempfile.mkdtemp(prefix="loongkit-bench-monitor-")
     os.environ["_LOONGKIT_ACTIVITY"] = f"{channel}:{os.getpid()}"  # the workers' samplers report here
+    torch.set_num_threads(1)  # one compute thread: its CPU time per step is the job's work, steadily
     hooks = Hooks()
-    model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    dataset = Stripes((steps + SKIP) * batch)
-    train_block(model, opt, dataset, 3, batch, args.workers)  # warm-up: allocator, first kernels
-    bare: list[float] = []
-    monitored: list[float] = []
-    for r in range(rounds):  # alternate the order, so that a drift of the machine hits both
-        for on in ((False, True) if r % 2 == 0 else (True, False)):
-            if on:
-                hooks.on()
-                monitored.extend(train_block(model, opt, dataset, steps, batch, args.workers))
-                hooks.off()
-            else:
-                bare.extend(train_block(model, opt, dataset, steps, batch, args.workers))
-    baseline, ours = statistics.median(bare), statistics.median(monitored)
+    times = interleaved(hooks, steps, batch, args.workers)
+    baseline, ours = statistics.median(times["bare_cpu"]), statistics.median(times["hooked_cpu"])
+    wall_bare, wall_hooked = statistics.median(times["bare"]), statistics.median(times["hooked"])
     print(f"BENCH monitor_overhead_train_classifier baseline={baseline:.6f} ours={ours:.6f} "
           f"ratio={baseline / ours:.3f}", flush=True)
     cost_bare, cost_hooked = per_step_cost(hooks, rounds=8 if args.quick else 16, steps=1000 if args.quick else 3000)
     print(f"BENCH monitor_hooks_per_step baseline={cost_bare:.7f} ours={cost_hooked:.7f} "
           f"ratio={cost_bare / cost_hooked:.3f}", flush=True)
     cost = max(0.0, cost_hooked - cost_bare)
-    print(f"monitor hooks: {cost * 1e6:.1f} us CPU per step (a loop of a fetch, a backward and an optimizer step: "
-          f"{cost_bare * 1e6:.1f} us bare, {cost_hooked * 1e6:.1f} us hooked) = {cost / baseline * 100:.3f} % of "
-          f"train_classifier's {baseline * 1000:.1f} ms step; end to end {(ours / baseline - 1) * 100:+.1f} % "
-          f"({len(bare)} steps each, machine noise included)", flush=True)
+    sample = sampler_cost(channel, 50 if args.quick else 200)
+    main_sample = main_sample_cost(200)
+    worker_share = sample / dataworkers.INTERVAL
+    print(f"monitor hooks: {cost * 1e6:.1f} us CPU per step (the bare loop {cost_bare * 1e6:.1f} us, hooked "
+          f"{cost_hooked * 1e6:.1f} us) = {cost / baseline * 100:.3f} % of train_classifier's {baseline * 1000:.1f} ms "
+          f"CPU step; a main-process sample {main_sample * 1e6:.0f} us CPU ({EARLY_SAMPLES} at the start, then at "
+          f"most 2 a second); a worker sample {sample * 1e6:.0f} us CPU every {dataworkers.INTERVAL:g} s = "
+          f"{worker_share * 100:.3f} % of a CPU per worker", flush=True)
+    print(f"the example's step with the hooks: CPU {(ours / baseline - 1) * 100:+.2f} %, wall {wall_bare * 1000:.1f} "
+          f"-> {wall_hooked * 1000:.1f} ms ({(wall_hooked / wall_bare - 1) * 100:+.1f} %), "
+          f"{len(times['bare'])} + {len(times['hooked'])} steps, the shared machine's noise included", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """DataLoader workers report their CPU time, memory and page faults to their main process.
 
 Each worker (fork, spawn, forkserver; persistent or not) runs a daemon thread that samples the
-worker four times a second for its first two seconds, then once a second (:func:`procstat.sample`;
+worker four times a second for its first two seconds, then every two seconds (:func:`procstat.sample`;
 private memory, which costs milliseconds to read, every fifth sample) and rewrites one small JSON
 file in the core's activity channel, ``mon-<main pid>-<worker pid>.json``
-(:func:`loongkit_core.activity.job_directory`), with its first sample and a history thinned to at
+(:func:`loongkit_core.activity.job_directory`), with its first samples and a history thinned to at
 most :data:`MAX_SAMPLES` entries. The worker loop's return (end of an epoch, shutdown) writes a last
 one. Nothing goes through the DataLoader's own queues, and a failure only loses the report.
 
@@ -24,10 +24,11 @@ from typing import Any
 from loongkit_monitor import procstat
 
 PREFIX = "mon-"
-INTERVAL = 1.0  # seconds between a worker's samples
+INTERVAL = 2.0  # seconds between a worker's samples once past the first ones (each costs ~1 ms of CPU)
 EARLY_INTERVAL, EARLY_SAMPLES = 0.25, 8  # denser at first, so that short runs get a span to measure
 PRIVATE_EVERY = 5  # smaps_rollup is read at the first, the last and every fifth sample
-MAX_SAMPLES = 256  # history kept per worker; older samples are thinned (every other one dropped)
+MAX_SAMPLES = 64  # history kept per worker (rewritten each second: kept small); thinned past KEEP_FIRST
+KEEP_FIRST = 16  # the first samples stay: the warm steps start among them
 
 
 def report_path(directory: str, main_pid: int, pid: int) -> str:
@@ -43,6 +44,7 @@ class WorkerSampler:
         self.interval = interval
         self.affinity = sorted(procstat.affinity())
         self.samples: list[procstat.Usage] = []
+        self.taken = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.flush()
@@ -51,10 +53,12 @@ class WorkerSampler:
         """Take a sample and rewrite the report; never raises."""
         try:
             with self._lock:
-                private = ended or len(self.samples) % PRIVATE_EVERY == 0
+                private = ended or self.taken % PRIVATE_EVERY == 0
                 self.samples.append(procstat.sample(private=private, thread=False))
+                self.taken += 1
                 if len(self.samples) > MAX_SAMPLES:
-                    self.samples = self.samples[::2] + ([self.samples[-1]] if len(self.samples) % 2 == 0 else [])
+                    later = self.samples[KEEP_FIRST:]
+                    self.samples = self.samples[:KEEP_FIRST] + later[::2] + ([later[-1]] if len(later) % 2 == 0 else [])
                 from loongkit_core import activity
 
                 activity.write_report(self.path, {
@@ -71,7 +75,7 @@ class WorkerSampler:
         self.flush(ended=True)
 
     def _loop(self) -> None:
-        while not self._stop.wait(EARLY_INTERVAL if len(self.samples) < EARLY_SAMPLES else self.interval):
+        while not self._stop.wait(EARLY_INTERVAL if self.taken < EARLY_SAMPLES else self.interval):
             self.flush()
 
 

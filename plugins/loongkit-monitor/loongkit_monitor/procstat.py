@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import resource
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -32,19 +32,19 @@ class Usage:
     private: int | None = None  # Private_Clean + Private_Dirty bytes (smaps_rollup), None if not read
     run_delay_s: float | None = None  # its main thread's time runnable but waiting for a CPU (schedstat)
 
-    def to_json(self) -> dict[str, float | int | None]:
-        return asdict(self)
+    def to_json(self) -> list[float | int | None]:
+        """A compact row (the field order): workers rewrite their history every second."""
+        return [self.t, self.cpu_s, self.rss, self.minflt, self.majflt, self.private, self.run_delay_s]
 
     @classmethod
     def from_json(cls, data: object) -> Usage | None:
-        if not isinstance(data, dict):
+        if not isinstance(data, list) or len(data) != 7:
             return None
         try:
-            private, delay = data.get("private"), data.get("run_delay_s")
-            return cls(float(data["t"]), float(data["cpu_s"]), int(data["rss"]), int(data["minflt"]),
-                       int(data["majflt"]), None if private is None else int(private),
-                       None if delay is None else float(delay))
-        except (KeyError, TypeError, ValueError):
+            t, cpu, rss, minflt, majflt, private, delay = data
+            return cls(float(t), float(cpu), int(rss), int(minflt), int(majflt),
+                       None if private is None else int(private), None if delay is None else float(delay))
+        except (TypeError, ValueError):
             return None
 
 

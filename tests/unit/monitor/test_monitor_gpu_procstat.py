@@ -164,6 +164,7 @@ def test_live_sample_of_this_process() -> None:
     assert u.rss > 0 and u.cpu_s > 0 and u.private is not None and u.private > 0
     assert procstat.Usage.from_json(u.to_json()) == u
     assert procstat.Usage.from_json({"t": "x"}) is None
+    assert procstat.Usage.from_json(["x", 0, 0, 0, 0, None, None]) is None
 
 
 def test_allowance_caps_the_mask_with_the_quota_shared_by_local_ranks(monkeypatch: pytest.MonkeyPatch) -> None:

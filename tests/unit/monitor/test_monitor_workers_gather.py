@@ -69,7 +69,9 @@ def test_sampler_history_is_thinned(tmp_path: Path) -> None:
     for _ in range(dataworkers.MAX_SAMPLES + 5):
         sampler.flush()
     assert len(sampler.samples) <= dataworkers.MAX_SAMPLES
-    assert sampler.samples[0].t <= sampler.samples[1].t
+    times = [u.t for u in sampler.samples]
+    assert times == sorted(times)
+    assert len(set(times[:dataworkers.KEEP_FIRST])) == dataworkers.KEEP_FIRST  # the first ones all kept
 
 
 def test_garbled_reports_are_skipped(tmp_path: Path) -> None:
