@@ -282,7 +282,8 @@ def self_check(original: Any, dtype: Any, keys: tuple[str, ...]) -> str | None:
     for frustum in (grid, grid + rand(D, H, W, 3, scale=1e-3)):
         try:
             theirs = fn(types.SimpleNamespace(frustum=frustum), *args, **kwargs)
-            mine = exact_geometry(frustum, *args, *(kwargs.get(k) for k in GEOMETRY_KWARGS), chunk=B * N * H * W)
+            # chunks of 2 cameras x 1 depth bin: both chunk loops run
+            mine = exact_geometry(frustum, *args, *(kwargs.get(k) for k in GEOMETRY_KWARGS), chunk=2 * H * W)
         except Exception as exc:  # upstream's code misbehaving on a plain object: keep it
             return f"get_geometry: self-check raised {type(exc).__name__}"
         bits = torch.int32 if dtype == torch.float32 else torch.int64
