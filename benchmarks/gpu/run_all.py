@@ -1,12 +1,19 @@
-"""The GPU-relevant benchmarks in one run, one table (needs a CUDA device; exits 2 without one).
+"""The GPU proof kit: every Triton kernel checked and timed, and the GPU-relevant benchmarks, in one run.
 
-Cases, each in its own interpreter so a failing one does not hide the others:
+Needs a CUDA device (exits 2 without one) unless ``--dry-run``. Each kernel case first prints one
+``CHECK <kernel> ok|FAIL ...`` line per Triton kernel (forward and backward in fp32, fp16 and bf16 vs
+the fp64 torch reference, see ``checks.py``), then its ``BENCH`` line(s); the BENCH name ends in
+``_vs_mmcv_cuda`` when the baseline is mmcv's CUDA op and ``_vs_torch_ref`` when it is the torch
+reference path (mmcv absent or built without CUDA). A failed check makes the case, and the run, exit 1.
+
+Cases, each in its own interpreter so a failing one does not hide the others (kernels first):
 
 - prefetch : ``benchmarks/gpu/data_prefetch.py`` (LOONGKIT_DATA_PREFETCH / MMENGINE_DATA_PREFETCH):
              step time of a loop whose step copies detection-sized batches to the GPU, plain vs prefetched.
 - msda     : loongkit-ops' Triton multi-scale deformable attention (forward + backward, BEVFormer-tiny
-             SCA shape) vs mmcv's ``multi_scale_deformable_attn_pytorch`` (the reference gather
-             implementation when mmcv is absent); also prints the largest difference.
+             SCA shape) vs mmcv's CUDA ``MultiScaleDeformableAttnFunction`` when an mmcv built with
+             CUDA ops imports (``benchmarks/gpu/build_mmcv_ops.sh``), else the torch reference
+             (``msda.reference``); also prints the largest difference.
 - msda_fused : loongkit-ops' Triton fused deformable attention (``loongkit::ms_deform_attn_fused``: softmax,
              sampling locations, sampling and the mean over the [previous, current] BEV in one kernel;
              forward + backward, BEVFormer-tiny TSA shape) vs the reference torch path
@@ -26,15 +33,23 @@ Cases, each in its own interpreter so a failing one does not hide the others:
 - compile  : torch.compile (inductor) of a ResNet-like conv net on the GPU, steady-state training
              step eager vs compiled, and the first (compiling) step.
 
-    python benchmarks/gpu/run_all.py [--quick] [--cases prefetch,tf32] [--json out.json]
+    python benchmarks/gpu/run_all.py [--quick] [--cases prefetch,tf32] [--json out.json] [--budget S]
+    TRITON_INTERPRET=1 python benchmarks/gpu/run_all.py --dry-run [--self-test-break]
 
-Prints ``BENCH``/``SKIP`` lines per case as they come, then the table ``loongkit bench`` prints.
+Prints ``CHECK``/``BENCH``/``SKIP`` lines per case as they come, then the table ``loongkit bench`` prints.
+``--budget`` (seconds, 330 with --quick) bounds the whole run: each case gets what is left, so
+``--quick`` ends within 6 minutes even if a case hangs. ``--dry-run`` is the CI guard against rot:
+the kernel cases in this process on the CPU, Triton's interpreter (TRITON_INTERPRET=1, set if
+absent) running the kernels (each op's backend forced to 'triton'), tiny shapes, one repetition;
+its timings mean nothing. ``--self-test-break`` replaces every reference with a wrong one, to show
+that the checks can fail.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -44,13 +59,54 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-CASES = ("prefetch", "msda", "msda_fused", "daf", "bev_pool", "voxelize", "dice", "tf32", "compile")
+KERNEL_CASES = ("msda", "msda_fused", "daf", "bev_pool", "voxelize", "dice")
+CASES = (*KERNEL_CASES, "prefetch", "tf32", "compile")
+# The device the cases run on and whether this is the CPU dry run (set by configure()).
+DEV: Any = None
+DRY = False
+SEED = 0
+
+
+def configure(dry: bool) -> None:
+    """Pick the device; in a dry run, route every op's CPU tensors through its Triton branch (interpreted)."""
+    global DEV, DRY
+    import torch
+
+    DRY, DEV = dry, torch.device("cpu" if dry else "cuda")
+    if dry:
+        from loongkit_ops.kernels.ops import bev_pool, daf, dice_class_stats, dice_stats, msda, msda_fused, voxelize
+
+        for mod in (msda, msda_fused, daf, bev_pool, dice_stats, dice_class_stats, voxelize):
+            mod.backend = lambda t: ("triton", "")  # type: ignore[attr-defined]
+
+
+def pick(full: Any, quick: Any, dry: Any, is_quick: bool) -> Any:
+    """The size for this run: tiny in a dry run (the interpreter runs one program at a time)."""
+    return dry if DRY else (quick if is_quick else full)
+
+
+def reps_for(quick: bool, full: int = 50) -> int:
+    return 1 if DRY else (10 if quick else full)
+
+
+def check(case: str) -> bool:
+    """The case's CHECK line(s); shapes a little larger on a GPU (more blocks, more tails)."""
+    from checks import CHECKS
+
+    return CHECKS[case](DEV, DRY, SEED)
 
 
 def cuda_timer(fn: Callable[[], Any], reps: int, warmup: int = 3) -> float:
-    """Median seconds of fn() over reps, each timed with CUDA events after warm-up."""
+    """Median seconds of fn() over reps, each timed with CUDA events after warm-up (wall clock in a dry run)."""
     import torch
 
+    if DRY:  # no warm-up: the interpreter compiles nothing, and every call costs seconds
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -69,35 +125,56 @@ def bench_line(name: str, baseline: float, ours: float) -> None:
     print(f"BENCH {name} baseline={baseline:.6f} ours={ours:.6f} ratio={baseline / ours:.2f}", flush=True)
 
 
-def case_msda(quick: bool) -> None:
+def mmcv_msda() -> tuple[Callable[..., Any] | None, str]:
+    """mmcv's CUDA MSDA op when an mmcv built with CUDA ops imports and runs, else (None, why)."""
+    if DEV.type != "cuda":
+        return None, "not on a CUDA device"
+    try:
+        import torch
+        from mmcv.ops.multi_scale_deform_attn import MultiScaleDeformableAttnFunction
+
+        def run(v: Any, shapes: Any, starts: Any, loc: Any, attn: Any) -> Any:
+            return MultiScaleDeformableAttnFunction.apply(v, shapes, starts, loc, attn, 64)
+
+        # mmcv may import yet lack its CUDA ops: one tiny call says.
+        run(torch.zeros(1, 4, 1, 2, device=DEV), torch.tensor([[2, 2]], device=DEV),
+            torch.tensor([0], device=DEV), torch.zeros(1, 1, 1, 1, 1, 2, device=DEV),
+            torch.ones(1, 1, 1, 1, 1, device=DEV))
+        return run, ""
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {exc}"[:200]
+
+
+def case_msda(quick: bool) -> bool:
     import torch
     from loongkit_ops.kernels.ops import msda
 
-    dev = torch.device("cuda")
+    dev = DEV
     backend, why = msda.backend(torch.empty(1, device=dev))
     if backend != "triton":
         print(f"SKIP gpu_msda: the Triton kernel is not used here ({why})", flush=True)
-        return
+        return True
+    ok = check("msda")
 
-    try:
-        from mmcv.ops.multi_scale_deform_attn import multi_scale_deformable_attn_pytorch as upstream
-        label = "mmcv multi_scale_deformable_attn_pytorch"
-    except ImportError:
-        upstream = None
-        label = "loongkit_ops.kernels.ops.msda.reference (mmcv not importable)"
+    upstream, why = mmcv_msda()
+    if upstream is not None:
+        label, suffix = "mmcv MultiScaleDeformableAttnFunction (CUDA)", "vs_mmcv_cuda"
+    else:
+        label, suffix = f"torch reference msda.reference (mmcv's CUDA op unusable: {why})", "vs_torch_ref"
     g = torch.Generator(device=dev).manual_seed(0)
     # BEVFormer-tiny spatial cross-attention: 6 cameras x ~1000 queries, 15x25 map, 8 heads x 32, 8 points.
-    bs, lq, heads, ch, points = 6, 1000, 8, 32, 8
-    shapes = torch.tensor([[15, 25]], device=dev)
+    bs, lq, heads, ch, points = pick((6, 1000, 8, 32, 8), (6, 1000, 8, 32, 8), (1, 2, 1, 4, 2), quick)
+    side = pick((15, 25), (15, 25), (2, 3), quick)
+    shapes = torch.tensor([side], device=dev)
     starts = torch.tensor([0], device=dev)
-    keys = 15 * 25
+    keys = side[0] * side[1]
     value = torch.randn(bs, keys, heads, ch, device=dev, generator=g, requires_grad=True)
     loc = torch.rand(bs, lq, heads, 1, points, 2, device=dev, generator=g, requires_grad=True)
     attn = torch.rand(bs, lq, heads, 1, points, device=dev, generator=g).softmax(-1).requires_grad_()
     grad = torch.randn(bs, lq, heads * ch, device=dev, generator=g)
 
     def base() -> torch.Tensor:
-        out = (upstream(value, shapes, loc, attn) if upstream is not None
+        out = (upstream(value, shapes, starts, loc, attn) if upstream is not None
                else msda.reference(value, shapes, starts, loc, attn))
         out.backward(grad)
         return out
@@ -107,12 +184,12 @@ def case_msda(quick: bool) -> None:
         out.backward(grad)
         return out
 
-    reps = 10 if quick else 50
+    reps = reps_for(quick)
     tb, to = cuda_timer(base, reps), cuda_timer(ours, reps)
-    with torch.no_grad():
-        diff = (base() - ours()).abs().max().item()
+    diff = (base().detach() - ours().detach()).abs().max().item()
     print(f"  msda baseline = {label}; max |difference| of the forward = {diff:.2e}", flush=True)
-    bench_line("gpu_msda_fwd_bwd", tb, to)
+    bench_line(f"gpu_msda_fwd_bwd_{suffix}", tb, to)
+    return ok
 
 
 def triton_used(name: str, backend: tuple[str, str]) -> bool:
@@ -142,17 +219,18 @@ def max_difference(base: Callable[[], Any], ours: Callable[[], Any]) -> float:
     return (out_b - out_o).abs().max().item() if out_b.numel() else 0.0
 
 
-def case_msda_fused(quick: bool) -> None:
+def case_msda_fused(quick: bool) -> bool:
     import torch
     from loongkit_ops.kernels.ops import msda, msda_fused
 
-    dev = torch.device("cuda")
-    if not triton_used("msda_fused", msda.backend(torch.empty(1, device=dev))):
-        return
+    dev = DEV
+    if not triton_used("msda_fused", msda_fused.backend(torch.empty(1, device=dev))):
+        return True
+    ok = check("msda_fused")
     g = torch.Generator(device=dev).manual_seed(0)
     # BEVFormer-tiny temporal self-attention: a 50x50 BEV (2500 queries, one level), [previous, current]
     # queue of 2, 8 heads x 32 channels, 4 points, one reference point per level.
-    bs, queue, side, heads, ch, points = 1, 2, 50, 8, 32, 4
+    bs, queue, side, heads, ch, points = pick((1, 2, 50, 8, 32, 4), (1, 2, 50, 8, 32, 4), (1, 2, 2, 1, 4, 2), quick)
     q = side * side
     shapes = torch.tensor([[side, side]], device=dev)
     starts = torch.tensor([0], device=dev)
@@ -173,7 +251,7 @@ def case_msda_fused(quick: bool) -> None:
     split = fwd_bwd(unfused, [value, proj], grad)
     ours = fwd_bwd(lambda v, p: msda_fused.ms_deform_attn_fused(v, shapes, starts, ref, p, True, queue), [value, proj],
                    grad)
-    reps = 10 if quick else 50
+    reps = reps_for(quick)
     tb, ts, to = cuda_timer(base, reps), cuda_timer(split, reps), cuda_timer(ours, reps)
     mine = (ours().detach(), value.grad.clone(), proj.grad.clone())
     theirs = (base().detach(), value.grad.clone(), proj.grad.clone())
@@ -184,24 +262,28 @@ def case_msda_fused(quick: bool) -> None:
         d, top = (a - b).abs(), b.abs().max().item()
         diffs.append(f"{name}: max {d.max().item():.2e} (largest value {top:.2e}), relative L2 "
                      f"{(d.norm() / b.norm()).item():.2e}, {int((d > 1e-3 * top).sum())}/{d.numel()} beyond 1e-3")
-    print(f"  msda_fused baseline = loongkit_ops.kernels.ops.msda_fused.reference; |difference| of "
+    print(f"  msda_fused baseline = torch reference msda_fused.reference (no mmcv counterpart); |difference| of "
           f"{'; '.join(diffs)}", flush=True)
-    bench_line("gpu_msda_fused_fwd_bwd", tb, to)
+    bench_line("gpu_msda_fused_fwd_bwd_vs_torch_ref", tb, to)
     print("  msda_fused vs unfused: the same maths in torch around the plain Triton MSDA op", flush=True)
-    bench_line("gpu_msda_fused_vs_unfused_fwd_bwd", ts, to)
+    bench_line("gpu_msda_fused_fwd_bwd_vs_unfused_triton", ts, to)
+    return ok
 
 
-def case_daf(quick: bool) -> None:
+def case_daf(quick: bool) -> bool:
     import torch
     from loongkit_ops.kernels.ops import daf
 
-    dev = torch.device("cuda")
+    dev = DEV
     if not triton_used("daf", daf.backend(torch.empty(1, device=dev))):
-        return
+        return True
+    ok = check("daf")
     g = torch.Generator(device=dev).manual_seed(0)
     # Sparse4D v3: 6 cameras, 4 levels 64x176..8x22, C=256, 8 groups, 13 points, 900 anchors.
-    bs, anchors, pts, cams, ch, groups = 1, 900 if not quick else 300, 13, 6, 256, 8
-    levels = [(64, 176), (32, 88), (16, 44), (8, 22)]
+    bs, anchors, pts, cams, ch, groups = pick((1, 900, 13, 6, 256, 8), (1, 300, 13, 6, 256, 8), (1, 2, 2, 1, 4, 2),
+                                              quick)
+    levels = pick([(64, 176), (32, 88), (16, 44), (8, 22)], [(64, 176), (32, 88), (16, 44), (8, 22)],
+                  [(2, 3)], quick)
     shapes = torch.tensor([levels] * cams, device=dev)
     areas = (shapes[..., 0] * shapes[..., 1]).flatten()
     starts = torch.cat([areas.new_zeros(1), areas.cumsum(0)[:-1]]).reshape(cams, len(levels))
@@ -213,59 +295,67 @@ def case_daf(quick: bool) -> None:
                    [feat, loc, w], grad)
     ours = fwd_bwd(lambda f, lc, ww: daf.deformable_aggregation(f, shapes, starts, lc, ww, True), [feat, loc, w],
                    grad)
-    reps = 10 if quick else 50
+    reps = reps_for(quick)
     tb, to = cuda_timer(base, reps), cuda_timer(ours, reps)
-    print(f"  daf baseline = loongkit_ops.kernels.ops.daf.reference; max |difference| of the "
-          f"forward = {max_difference(base, ours):.2e}", flush=True)
-    bench_line("gpu_daf_fwd_bwd", tb, to)
+    # Sparse4D's own CUDA op would be the fair baseline; its source is not carried yet.
+    print(f"  daf baseline = torch reference daf.reference (Sparse4D's CUDA op not carried); max |difference| of "
+          f"the forward = {max_difference(base, ours):.2e}", flush=True)
+    bench_line("gpu_daf_fwd_bwd_vs_torch_ref", tb, to)
+    return ok
 
 
-def case_bev_pool(quick: bool) -> None:
+def case_bev_pool(quick: bool) -> bool:
     import torch
     from loongkit_ops.kernels.ops import bev_pool
 
-    dev = torch.device("cuda")
+    dev = DEV
     if not triton_used("bev_pool", bev_pool.backend(torch.empty(1, device=dev))):
-        return
+        return True
+    ok = check("bev_pool")
     g = torch.Generator(device=dev).manual_seed(0)
     # BEVFusion camera branch: ~2M frustum points x 80 channels pooled into a 360x360 BEV grid.
-    n, ch, b, z, x, y = (200_000 if quick else 2_000_000), 80, 1, 1, 360, 360
+    n, ch, b, z, x, y = pick((2_000_000, 80, 1, 1, 360, 360), (200_000, 80, 1, 1, 360, 360), (20, 3, 1, 1, 2, 3),
+                             quick)
     feats = torch.randn(n, ch, device=dev, generator=g, requires_grad=True)
     coords = torch.stack([torch.randint(0, d, (n,), device=dev, generator=g) for d in (x, y, z, b)], 1)
     grad = torch.randn(b, ch, z, x, y, device=dev, generator=g)
     base = fwd_bwd(lambda f: bev_pool.reference(f, coords, b, z, x, y), [feats], grad)
     ours = fwd_bwd(lambda f: bev_pool.op(f, coords, b, z, x, y), [feats], grad)
-    reps = 10 if quick else 50
+    reps = reps_for(quick)
     tb, to = cuda_timer(base, reps), cuda_timer(ours, reps)
-    print(f"  bev_pool baseline = loongkit_ops.kernels.ops.bev_pool.reference (index_add); max |difference| of the "
+    print(f"  bev_pool baseline = torch reference bev_pool.reference (index_add); max |difference| of the "
           f"forward = {max_difference(base, ours):.2e}", flush=True)
-    bench_line("gpu_bev_pool_fwd_bwd", tb, to)
+    bench_line("gpu_bev_pool_fwd_bwd_vs_torch_ref", tb, to)
+    return ok
 
 
-def case_voxelize(quick: bool) -> None:
+def case_voxelize(quick: bool) -> bool:
     import torch
     from loongkit_ops.kernels.ops import voxelize
 
-    dev = torch.device("cuda")
+    dev = DEV
     if not triton_used("voxelize", voxelize.backend(torch.empty(1, device=dev))):
-        return
+        return True
+    ok = check("voxelize")
     g = torch.Generator(device=dev).manual_seed(0)
     # nuScenes CenterPoint: ~300k points x 5 (x, y, z, intensity, time), 0.075 m voxels, 10 points each.
-    n = 30_000 if quick else 300_000
+    n = pick(300_000, 30_000, 50, quick)
     size, rng, max_points, max_voxels = [0.075, 0.075, 0.2], [-54.0, -54.0, -5.0, 54.0, 54.0, 3.0], 10, 90_000
     points = torch.randn(n, 5, device=dev, generator=g) * torch.tensor([20.0, 20.0, 1.5, 1.0, 1.0], device=dev)
     upstream: Callable[..., Any] = voxelize.hard_reference
-    label = "loongkit_ops.kernels.ops.voxelize.hard_reference"
+    label, suffix = "torch reference voxelize.hard_reference", "vs_torch_ref"
     try:  # mmcv may import yet lack its CUDA ops: try one small call
+        if dev.type != "cuda":
+            raise RuntimeError("not on a CUDA device")
         from mmcv.ops.voxelize import voxelization as mmcv_voxelization
 
         mmcv_voxelization(points[:16], size, rng, max_points, max_voxels, True)
         upstream = lambda *a: tuple(mmcv_voxelization(*a, True))  # noqa: E731  (deterministic mode)
-        label = "mmcv hard_voxelize (CUDA, deterministic)"
+        label, suffix = "mmcv hard_voxelize (CUDA, deterministic)", "vs_mmcv_cuda"
     except Exception as exc:
-        label += f" (mmcv's op unusable: {type(exc).__name__}: {exc})"
+        label += f" (mmcv's CUDA op unusable: {type(exc).__name__}: {exc})"[:200]
 
-    reps = 10 if quick else 30
+    reps = reps_for(quick, 30)
     tb = cuda_timer(lambda: upstream(points, size, rng, max_points, max_voxels), reps)
     to = cuda_timer(lambda: voxelize.hard_op(points, size, rng, max_points, max_voxels), reps)
     theirs = upstream(points, size, rng, max_points, max_voxels)
@@ -274,23 +364,25 @@ def case_voxelize(quick: bool) -> None:
     dyn_same = torch.equal(voxelize.dynamic_op(points, size, rng), voxelize.dynamic_reference(points, size, rng))
     print(f"  voxelize baseline = {label}; {mine[0].shape[0]} voxels; identical output: {same}; dynamic "
           f"identical to the reference: {dyn_same}", flush=True)
-    bench_line("gpu_hard_voxelize", tb, to)
+    bench_line(f"gpu_hard_voxelize_{suffix}", tb, to)
+    return ok
 
 
-def case_dice(quick: bool) -> None:
+def case_dice(quick: bool) -> bool:
     import torch
     from loongkit_ops.kernels.ops import dice_class_stats, dice_stats
 
-    dev = torch.device("cuda")
+    dev = DEV
     if not triton_used("dice", dice_stats.backend(torch.empty(1, device=dev))):
-        return
+        return True
+    ok = check("dice")
     g = torch.Generator(device=dev).manual_seed(0)
     # Cityscapes-like batch: [4, 19, 256, 512] logits, labels with 255 ignored pixels.
-    n, c, h, w = (2, 19, 128, 256) if quick else (4, 19, 256, 512)
+    n, c, h, w = pick((4, 19, 256, 512), (2, 19, 128, 256), (1, 3, 2, 4), quick)
     logits = torch.randn(n, c, h * w, device=dev, generator=g, requires_grad=True)
     target = torch.randint(0, c, (n, h * w), device=dev, generator=g)
     target[:, ::13] = 255
-    reps = 10 if quick else 50
+    reps = reps_for(quick)
     for name, ref, op, shape in (
             ("dice_stats", lambda x: dice_stats.reference(x, target, 2, 255, False),
              lambda x: dice_stats.op(x, target, 2, 255, False), (n, 3)),
@@ -300,9 +392,10 @@ def case_dice(quick: bool) -> None:
         base, ours = fwd_bwd(ref, [logits], grad), fwd_bwd(op, [logits], grad)
         tb, to = cuda_timer(base, reps), cuda_timer(ours, reps)
         scale = base().detach().abs().max().item()
-        print(f"  {name} baseline = loongkit_ops.kernels.ops.{name}.reference; max |difference| of the forward = "
+        print(f"  {name} baseline = torch reference {name}.reference; max |difference| of the forward = "
               f"{max_difference(base, ours):.2e} (largest value {scale:.2e})", flush=True)
-        bench_line(f"gpu_{name}_fwd_bwd", tb, to)
+        bench_line(f"gpu_{name}_fwd_bwd_vs_torch_ref", tb, to)
+    return ok
 
 
 def case_tf32(quick: bool) -> None:
@@ -380,20 +473,17 @@ def case_compile(quick: bool) -> None:
     bench_line("gpu_compile_convnet_first_step", timings["eager"]["first"], timings["compiled"]["first"])
 
 
+KERNEL_FUNCS: dict[str, Callable[[bool], bool]] = {
+    "msda": case_msda, "msda_fused": case_msda_fused, "daf": case_daf, "bev_pool": case_bev_pool,
+    "voxelize": case_voxelize, "dice": case_dice,
+}
+
+
 def run_case(case: str, quick: bool) -> int:
-    if case == "msda":
-        case_msda(quick)
-    elif case == "msda_fused":
-        case_msda_fused(quick)
-    elif case == "daf":
-        case_daf(quick)
-    elif case == "bev_pool":
-        case_bev_pool(quick)
-    elif case == "voxelize":
-        case_voxelize(quick)
-    elif case == "dice":
-        case_dice(quick)
-    elif case == "tf32":
+    """One case in this process: 1 when a kernel's CHECK failed, else 0."""
+    if case in KERNEL_FUNCS:
+        return 0 if KERNEL_FUNCS[case](quick) else 1
+    if case == "tf32":
         case_tf32(quick)
     elif case == "compile":
         case_compile(quick)
@@ -402,47 +492,104 @@ def run_case(case: str, quick: bool) -> int:
     return 0
 
 
+def dry_run(chosen: list[str], break_refs: bool) -> int:
+    """Every chosen kernel case in this process on the CPU under Triton's interpreter; 1 if any failed."""
+    import traceback
+
+    configure(True)
+    if break_refs:
+        from checks import break_references
+
+        break_references()
+    kernels = [c for c in chosen if c in KERNEL_CASES]
+    for case in chosen:
+        if case not in KERNEL_CASES:
+            print(f"SKIP gpu_{case}: needs a CUDA device (dry run)", flush=True)
+    failed = []
+    start = time.perf_counter()
+    for case in kernels:
+        try:
+            if run_case(case, True):
+                failed.append(case)
+        except Exception:  # a crash in one case must not hide the others
+            print(f"ERROR {case}:\n{traceback.format_exc()}", flush=True)
+            failed.append(case)
+    print(f"GPU kit dry run: {len(kernels) - len(failed)}/{len(kernels)} kernel cases ok"
+          f"{' (failed: ' + ', '.join(failed) + ')' if failed else ''} in {time.perf_counter() - start:.1f} s "
+          "(Triton interpreter on the CPU; timings mean nothing)", flush=True)
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller shapes, fewer repetitions")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
     parser.add_argument("--json", help="write the results as JSON here")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds per case")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per case at most")
+    parser.add_argument("--budget", type=float, help="seconds for the whole run (default: 330 with --quick)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU, Triton interpreter, tiny shapes: the kit's own test (no GPU needed)")
+    parser.add_argument("--self-test-break", action="store_true",
+                        help="replace every reference with a wrong one: every CHECK must then FAIL")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # the child process for one case
     args = parser.parse_args(argv)
 
-    import torch
-
-    if not torch.cuda.is_available():
-        sys.stderr.write("benchmarks/gpu/run_all.py needs a CUDA device: torch.cuda.is_available() is False "
-                         f"(torch {torch.__version__}, CUDA build {torch.version.cuda}). Run it on a GPU machine; "
-                         "the CPU benchmarks are `loongkit bench`.\n")
-        return 2
-    if args.case:
-        return run_case(args.case, args.quick)
-
-    from loongkit_core.bench import render_table, run_script
-
+    sys.path.insert(0, str(HERE))  # checks.py, in the children too
     chosen = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = sorted(set(chosen) - set(CASES))
     if unknown:
         sys.stderr.write(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}\n")
         return 2
+    if args.dry_run:
+        # Must be set before triton is first imported (the ops import it lazily, at first dispatch).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        if os.environ["TRITON_INTERPRET"] != "1":
+            sys.stderr.write("--dry-run runs Triton's interpreter: TRITON_INTERPRET must be 1\n")
+            return 2
+        return dry_run(chosen, args.self_test_break)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.stderr.write("benchmarks/gpu/run_all.py needs a CUDA device: torch.cuda.is_available() is False "
+                         f"(torch {torch.__version__}, CUDA build {torch.version.cuda}). Run it on a GPU machine "
+                         "(or --dry-run here); the CPU benchmarks are `loongkit bench`.\n")
+        return 2
+    if args.case:
+        configure(False)
+        if args.self_test_break:
+            from checks import break_references
+
+            break_references()
+        return run_case(args.case, args.quick)
+
+    from loongkit_core.bench import render_table, run_script
+
     print(f"GPU: {torch.cuda.get_device_name()} (torch {torch.__version__}, CUDA {torch.version.cuda})", flush=True)
-    quick = ["--quick"] if args.quick else []
+    budget = args.budget if args.budget is not None else (330.0 if args.quick else float("inf"))
+    deadline = time.perf_counter() + budget
+    flags = [*(["--quick"] if args.quick else []), *(["--self-test-break"] if args.self_test_break else [])]
     runs = []
     for case in chosen:
+        left = deadline - time.perf_counter()
+        if left < 5:
+            print(f"SKIP gpu_{case}: the run's budget of {budget:g} s is spent", flush=True)
+            continue
+        timeout = min(args.timeout, left)
         if case == "prefetch":
-            run = run_script(case, HERE / "data_prefetch.py", quick, sys.executable, args.timeout, echo=True)
+            run = run_script(case, HERE / "data_prefetch.py", flags[:1] if args.quick else [], sys.executable,
+                             timeout, echo=True)
         else:
-            run = run_script(case, Path(__file__).resolve(), [*quick, "--case", case], sys.executable,
-                             args.timeout, echo=True)
+            run = run_script(case, Path(__file__).resolve(), [*flags, "--case", case], sys.executable, timeout,
+                             echo=True)
+        if run.returncode:
+            print(f"FAILED gpu_{case}: exit {run.returncode}\n{run.error_tail}", flush=True)
         runs.append(run)
     print(render_table(runs), end="")
     if args.json:
         Path(args.json).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                                                "runs": [asdict(r) for r in runs]}, indent=2))
-    return 1 if any(r.returncode for r in runs) else 0
+    return 1 if any(r.returncode for r in runs) or len(runs) < len(chosen) else 0
 
 
 if __name__ == "__main__":
