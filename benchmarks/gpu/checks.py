@@ -84,7 +84,7 @@ def check_msda(dev: torch.device, small: bool, seed: int) -> bool:
     g = torch.Generator(device=dev).manual_seed(seed)
     # Two levels (a level offset in the index), some locations beyond the map (the zero padding).
     bs, lq, heads, ch, points = (1, 2, 1, 4, 2) if small else (2, 20, 2, 32, 3)
-    w, h = (3, 2) if small else (12, 8)
+    w, h = (3, 2) if small else (8, 6)
     shapes = torch.tensor([[2 * h, 2 * w], [h, w]], device=dev)
     starts = torch.cat([shapes.new_zeros(1), (shapes[:, 0] * shapes[:, 1]).cumsum(0)[:-1]])
     keys = int((shapes[:, 0] * shapes[:, 1]).sum())
@@ -124,7 +124,7 @@ def check_daf(dev: torch.device, small: bool, seed: int) -> bool:
 
     g = torch.Generator(device=dev).manual_seed(seed)
     bs, anchors, pts, cams, ch, groups = (1, 2, 2, 2, 4, 2) if small else (1, 16, 3, 2, 32, 4)
-    w, h = (3, 2) if small else (12, 8)
+    w, h = (3, 2) if small else (8, 6)
     levels = [(2 * h, 2 * w), (h, w)]
     shapes = torch.tensor([levels] * cams, device=dev)
     areas = (shapes[..., 0] * shapes[..., 1]).flatten()

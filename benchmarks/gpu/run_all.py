@@ -12,7 +12,7 @@ Cases, each in its own interpreter so a failing one does not hide the others (ke
              step time of a loop whose step copies detection-sized batches to the GPU, plain vs prefetched.
 - msda     : loongkit-ops' Triton multi-scale deformable attention (forward + backward, BEVFormer-tiny
              SCA shape) vs mmcv's CUDA ``MultiScaleDeformableAttnFunction`` when an mmcv built with
-             CUDA ops imports (``benchmarks/gpu/build_mmcv_ops.sh``), else the torch reference
+             CUDA ops imports and runs (none is carried to the GPU machine yet), else the torch reference
              (``msda.reference``); also prints the largest difference.
 - msda_fused : loongkit-ops' Triton fused deformable attention (``loongkit::ms_deform_attn_fused``: softmax,
              sampling locations, sampling and the mean over the [previous, current] BEV in one kernel;
