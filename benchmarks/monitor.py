@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 from loongkit_monitor import dataworkers  # noqa: E402
-from loongkit_monitor.feature import EARLY_SAMPLES, MonitorFeature, MonitorOptions  # noqa: E402
+from loongkit_monitor.feature import DEFAULTS, EARLY_SAMPLES, MonitorFeature  # noqa: E402
 from loongkit_monitor.plugin import plugin  # noqa: E402
 from train_classifier import Net, Stripes  # noqa: E402
 
@@ -60,7 +60,7 @@ class Hooks:
         self.ctx: ActivationContext | None = None
 
     def on(self) -> None:
-        self.ctx = ActivationContext.standalone(self.feature, config=MonitorOptions())
+        self.ctx = ActivationContext.standalone(self.feature, config=dict(DEFAULTS))
         for target in TARGETS:
             self.impl.activate(self.ctx, target)
         # Steady state: a fresh monitor samples each of its first EARLY_SAMPLES steps (once per run,

@@ -30,12 +30,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pydantic import Field
-from pydantic_settings import SettingsConfigDict
-
 from loongkit_core.context import ActivationContext, Environment, NotApplicable
-from loongkit_core.kit import FeatureImpl
-from loongkit_core.settings import LoongkitSettings
+from loongkit_core.kit import FeatureImpl, options_set
 from loongkit_monitor import analysis, dataworkers, gather, procstat
 from loongkit_monitor.recorder import StepRecorder
 
@@ -66,23 +62,26 @@ SWITCH_AFTER = 3  # steps of another optimizer, with none of the first, before i
 RECOMMENDABLE = ("distortion", "imnormalize", "pytorch_memory", "numa_affinity", "config_guards", "dataloader_workers")
 
 
-class MonitorOptions(LoongkitSettings):
-    model_config = SettingsConfigDict(env_prefix="LOONGKIT_MONITOR_", extra="ignore", case_sensitive=False)
+OPTIONS = ("LOONGKIT_MONITOR_INTERVAL", "LOONGKIT_MONITOR_MAX_STEPS")
+DEFAULTS: dict[str, float | int] = {"interval": 0.0, "max_steps": 0}  # what the options model defaults to
 
-    interval: float = Field(0.0, ge=0, allow_inf_nan=False,
-                            description="Seconds between one-line progress records (0: none).")
-    max_steps: int = Field(0, ge=0, description="End the job cleanly after this many steps (0: never).")
+
+def option(config: Any, name: str) -> Any:
+    """An option from the validated model (``loongkit_monitor.options``) or the defaults dict."""
+    if isinstance(config, Mapping):
+        return config.get(name, DEFAULTS[name])
+    return getattr(config, name, DEFAULTS[name])
 
 
 class Monitor:
     """One process's monitor: the hooks' state and its report at exit."""
 
-    def __init__(self, ctx: ActivationContext, options: MonitorOptions, process: Any,
+    def __init__(self, ctx: ActivationContext, options: Any, process: Any,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.ctx = ctx
         self.process = process
-        self.interval = float(options.interval)
-        self.max_steps = int(options.max_steps)
+        self.interval = float(option(options, "interval"))
+        self.max_steps = int(option(options, "max_steps"))
         self.rec = StepRecorder(clock)
         self.live = False  # switched on through ctx.patcher.assign: the default deactivate switches it off
         self.source = ""  # what marks the steps
@@ -264,11 +263,20 @@ def feature_views(records: Any) -> dict[str, analysis.FeatureView]:
 
 
 class MonitorFeature(FeatureImpl):
-    options = MonitorOptions
-
     def __init__(self, feature: Any) -> None:
         super().__init__(feature)
         self.monitor: Monitor | None = None
+
+    def configure(self, env: Environment, policy: Any) -> tuple[object, list[str]]:
+        """The options model when a LOONGKIT_MONITOR_* variable is set (validated, a warning for a bad
+        value); else the defaults, without importing pydantic-settings."""
+        if not options_set(env.environ, OPTIONS) and not (policy is not None and policy.option_defaults):
+            return dict(DEFAULTS), []
+        from loongkit_core.settings import load_settings
+        from loongkit_monitor.options import MonitorOptions
+
+        defaults = policy.option_defaults if policy is not None else None
+        return load_settings(MonitorOptions, defaults=defaults, environ=env.environ)
 
     def detect(self, env: Environment) -> str | None:
         if not sys.platform.startswith("linux"):
@@ -278,7 +286,7 @@ class MonitorFeature(FeatureImpl):
     # -- activation, one target at a time ------------------------------------------------------
     def _monitor(self, ctx: ActivationContext) -> Monitor:
         if self.monitor is None or not self.monitor.live:
-            options = ctx.config if isinstance(ctx.config, MonitorOptions) else MonitorOptions()
+            options = ctx.config if ctx.config is not None else dict(DEFAULTS)
             process = ctx.env.process if ctx.env is not None else _process()
             monitor = Monitor(ctx, options, process)
             ctx.patcher.assign(monitor, "live", True)
@@ -496,7 +504,3 @@ def _log_kind() -> str | None:
 
 def _role(process: Any) -> str:
     return str(getattr(process, "role", "main"))
-
-
-def options_set(environ: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in environ.items() if k.startswith("LOONGKIT_")}
