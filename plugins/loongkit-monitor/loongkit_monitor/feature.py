@@ -292,12 +292,13 @@ class MonitorFeature(FeatureImpl):
             ctx.patcher.assign(monitor, "live", True)
             self.monitor = monitor
             if _role(process) != "worker":
-                rank, local = process.rank or 0, process.local_rank or 0
-                from loongkit_core import activity
+                if _role(process) == "main":  # a rank; a subprocess it starts inherits its rank variables
+                    rank, local = process.rank or 0, process.local_rank or 0
+                    from loongkit_core import activity
 
-                handoff = activity.job_directory()
-                monitor.gatherer = gather.Gatherer(handoff[0] if handoff else None, rank, local,
-                                                   process.world_size or 1, process.local_world_size or 1)
+                    handoff = activity.job_directory()
+                    monitor.gatherer = gather.Gatherer(handoff[0] if handoff else None, rank, local,
+                                                       process.world_size or 1, process.local_world_size or 1)
                 ctx.at_exit(monitor.finish)
             ctx.waiting("no steps seen yet")
         return self.monitor

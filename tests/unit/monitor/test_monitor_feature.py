@@ -229,3 +229,20 @@ def test_worker_callbacks_of_a_deactivated_monitor_do_nothing(loongkit_runtime: 
         path.unlink()
     monitor.worker_started(0)
     assert monitor.sampler is None and list(tmp_path.iterdir()) == []
+
+
+def test_a_subprocess_of_a_rank_gathers_nothing(loongkit_runtime: Any) -> None:
+    """A Python subprocess of local rank 0 inherits RANK/LOCAL_RANK/LOCAL_WORLD_SIZE: it must neither
+    publish as that rank nor wait at its exit for the node's other ranks."""
+    from loongkit_monitor.plugin import plugin
+
+    from loongkit_core import process as process_mod
+
+    rt = loongkit_runtime({**ON, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
+    rt.process.role, rt.process.local_rank, rt.process.local_world_size = process_mod.SUBPROCESS, 0, 2
+    rt.activate(rt.records["monitor"], "torch.optim.optimizer")
+    monitor = plugin.impl(rt.records["monitor"].feature).monitor
+    assert monitor.gatherer is None
+    started = time.monotonic()
+    d = details(rt)
+    assert time.monotonic() - started < 2.0 and "ranks" not in d
