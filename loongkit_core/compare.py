@@ -152,7 +152,16 @@ def first_difference(a: list[float], b: list[float], n: int) -> dict[str, Any] |
     return None
 
 
-def render_table(base: RunStats, ours: RunStats, losses: dict[str, Any], tolerance: float) -> str:
+def first_loss_difference(a: list[float], b: list[float]) -> float | None:
+    """Relative difference of the first losses: same weights, same batch, so only the code differs
+    (later losses also carry what training made of the earlier steps' rounding)."""
+    if not a or not b:
+        return None
+    return abs(a[0] - b[0]) / max(abs(a[0]), abs(b[0]), 1e-12)
+
+
+def render_table(base: RunStats, ours: RunStats, losses: dict[str, Any], tolerance: float,
+                 first_tolerance: float | None = None) -> str:
     def fmt(value: float | None, scale: float = 1.0, unit: str = "") -> str:
         return "n/a" if value is None else f"{value * scale:.2f}{unit}"
 
@@ -185,6 +194,10 @@ def render_table(base: RunStats, ours: RunStats, losses: dict[str, Any], toleran
         if first:
             lines.append(f"  identical up to loss #{first['index']}; there it differs by {first['rel_diff']:.1e} "
                          f"relative (~{first['ulps']:.0f} float32 ulp)")
+        first0 = first_loss_difference(base.losses, ours.losses)
+        if first_tolerance is not None and first0 is not None:
+            lines.append(f"  loss #0 (same weights, same batch): {first0:.1e} relative "
+                         f"({'within' if first0 <= first_tolerance else 'OUTSIDE'} tolerance {first_tolerance:g})")
         lines.append("  baseline: " + " ".join(f"{x:.4f}" for x in base.losses[:min(n, 8)]))
         lines.append("  loongkit: " + " ".join(f"{x:.4f}" for x in ours.losses[:min(n, 8)]))
     else:
@@ -233,7 +246,7 @@ def main(args: argparse.Namespace) -> int:
     ours = run_once([launcher, *command], _environ(base_env, True, args.level, summary_json), "loongkit",
                     args.echo)
     losses = compare_losses(base.losses, ours.losses, args.losses)
-    table = render_table(base, ours, losses, args.tolerance)
+    table = render_table(base, ours, losses, args.tolerance, args.first_tolerance)
     sys.stdout.write(table)
     summary = json.loads(Path(summary_json).read_text()) if os.path.exists(summary_json) else None
     start = ours.output.find("=" * 28 + " Loongkit Feature Summary")
@@ -247,6 +260,8 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         payload = {"command": command, "level": args.level, "losses": losses,
                    "first_difference": first_difference(base.losses, ours.losses, args.losses),
+                   "first_loss": {"rel_diff": first_loss_difference(base.losses, ours.losses),
+                                  "tolerance": args.first_tolerance},
                    "baseline": {k: v for k, v in asdict(base).items() if k != "output"},
                    "loongkit": {k: v for k, v in asdict(ours).items() if k != "output"},
                    "summary": summary}
@@ -257,6 +272,9 @@ def main(args: argparse.Namespace) -> int:
             sys.stdout.write(note + "\n")
     ok = base.returncode == 0 and ours.returncode == 0
     matched = losses["compared"] == 0 or losses["bitwise"] or losses["max_rel_diff"] <= args.tolerance
+    first0 = first_loss_difference(base.losses, ours.losses)
+    if args.first_tolerance is not None and first0 is not None and first0 > args.first_tolerance:
+        matched = False
     return 0 if ok and (matched or not args.strict_losses) else 1
 
 
@@ -265,6 +283,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--level", type=int, default=1, choices=(1, 2, 3), help="LOONGKIT_ALL for the loongkit run")
     p.add_argument("--losses", type=int, default=20, help="how many first losses to compare")
     p.add_argument("--tolerance", type=float, default=1e-3, help="max relative loss difference counted as a match")
+    p.add_argument("--first-tolerance", type=float, default=None,
+                   help="also check the first loss alone (same weights and batch in both runs) against this")
     p.add_argument("--strict-losses", action="store_true", help="exit 1 when the losses do not match")
     p.add_argument("--env", action="append", help="KEY=VALUE for both runs (repeatable)")
     p.add_argument("--json", help="write the comparison as JSON here")

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from loongkit_core.compare import compare_losses, parse_metrics
+from loongkit_core.compare import RunStats, compare_losses, first_loss_difference, parse_metrics, render_table
 from loongkit_core.testing import clean_environ
 
 LOONGKIT = shutil.which("loongkit") or str(Path(sys.executable).parent / "loongkit")
@@ -31,6 +31,20 @@ def test_compare_losses() -> None:
     assert compare_losses([1.0, 2.0], [1.0, 2.0], 5) == {"compared": 2, "bitwise": True, "max_rel_diff": 0.0}
     result = compare_losses([1.0, 2.0], [1.0, 2.002], 5)
     assert not result["bitwise"] and abs(result["max_rel_diff"] - 0.002 / 2.002) < 1e-12
+
+
+def test_first_loss_checked_apart() -> None:
+    # Later losses carry training's amplification of rounding; the first one only the code's own difference.
+    base, ours = RunStats("baseline", losses=[10.0, 9.0, 8.0]), RunStats("loongkit", losses=[10.00001, 9.1, 8.2])
+    assert abs(first_loss_difference(base.losses, ours.losses) - 1e-6) < 1e-9
+    assert first_loss_difference([], ours.losses) is None
+    losses = compare_losses(base.losses, ours.losses, 3)
+    within = render_table(base, ours, losses, 0.05, first_tolerance=2e-5)
+    assert "loss #0 (same weights, same batch): 1.0e-06 relative (within tolerance 2e-05)" in within
+    assert "(within tolerance 0.05)" in within
+    outside = render_table(base, ours, losses, 0.05, first_tolerance=1e-7)
+    assert "relative (OUTSIDE tolerance 1e-07)" in outside
+    assert "(same weights, same batch)" not in render_table(base, ours, losses, 0.05)  # only when asked
 
 
 SCRIPT = """
