@@ -32,7 +32,7 @@ CASES = {
              ["gpu_dice_stats_fwd_bwd_vs_torch_ref", "gpu_dice_class_stats_fwd_bwd_vs_torch_ref"]),
 }
 # The broken run needs only show that a wrong reference is caught, for float and integer kernels.
-BROKEN_CASES = ("msda", "voxelize")
+BROKEN_CASES = ("bev_pool", "voxelize")  # the cheapest float kernel and the integer one
 
 
 def start(*args: str) -> subprocess.Popen[str]:
@@ -72,4 +72,4 @@ def test_kit_dry_run_checks_and_benches_every_kernel() -> None:
     assert broken_code == 1, broken_out[-4000:]
     broken_checks = check_lines(broken_out)
     assert broken_checks == {case: "FAIL" for case in BROKEN_CASES}, broken_out[-4000:]
-    assert "0/2 kernel cases ok (failed: msda, voxelize)" in broken_out, broken_out[-2000:]
+    assert "0/2 kernel cases ok (failed: bev_pool, voxelize)" in broken_out, broken_out[-2000:]
