@@ -11,7 +11,8 @@
             tests (tests/unit/<name> and tests/unit/<name>_*) and the kit's conformance check on it
 - lint    : ruff
 - bench   : every benchmark in --quick mode, writing bench-out/bench.md
-- main    : README command 1, the mmdet 3.x detection example under `loongkit compare` (not a test)
+- main    : README command 1, the BEVFormer-tiny example under `loongkit compare` (not a test);
+            `-- retinanet` runs the mmdet 3.x RetinaNet example instead (bitwise losses)
 
 torch is always pinned (==2.13.0 takes the local CPU wheel here; an unpinned torch would fetch a
 multi-GB CUDA build). mmcv with ops is built from source once and its wheel cached outside the clone
@@ -51,8 +52,12 @@ def tests(session: nox.Session) -> None:
     _install_loongkit(session)
     session.install(*HF_DEPS, TRITON)
     session.run("pytest", "-m", "not integration", *session.posargs)
-    # Guard the fast path: a heavy import sneaking into start-up fails the build (bound is generous).
-    session.run("python", "benchmarks/startup.py", "--quick", "--check-ms", "20")
+    # Guard start-up (issue 18): a heavy import sneaking into the fast path, the boot of a process that
+    # reuses its job's resolution, or a spawned worker's, fails the build. --check compares each case's CPU
+    # time and peak RSS over bare Python with its goal (no feature 2 ms / 0.5 MiB, LOONGKIT_ALL=1 60 ms /
+    # 8 MiB, =3 100 ms / 12 MiB, spawn worker 30 ms); margin 2: CI machines are shared and loaded.
+    session.run("python", "benchmarks/startup.py", "--quick", "--check", "--margin", "2", "--only",
+                "startup_nofeature,startup_all1,startup_all3,startup_spawn_worker")
 
 
 def _mmcv_wheel(session: nox.Session, version: str, cuda: bool = False) -> str:
@@ -84,21 +89,37 @@ def stack2(session: nox.Session) -> None:
                 env={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"})
 
 
+# README command 1's loss checks. The fused BEVFormer kernels (loongkit::ms_deform_attn[_fused]) and fused
+# AdamW reorder float32 sums: the first loss (same weights, same batch) agrees within the kernels' 2e-5;
+# training then amplifies any rounding difference (flipping the last bit of the bare job's attention
+# weights drifts its losses by up to 2.5e-2 over 20 steps), so the 20-step window is checked at 5e-2.
+BEV_FIRST_TOLERANCE = 2e-5
+BEV_TOLERANCE = 5e-2
+EXAMPLES = {
+    "bev": ["examples/bevformer_tiny/train.py"],
+    "retinanet": ["examples/mmdet_retinanet/train.py"],
+}
+
+
 @nox.session
 def main(session: nox.Session) -> None:
-    """README command 1: the mmdet 3.x RetinaNet example bare and under loongkit, one comparison table.
+    """README command 1: the BEVFormer-tiny example bare and under loongkit, one comparison table.
 
     Installs torch 2.13.0, mmengine 0.10.7, mmcv 2.1.0 with ops (built once, cached in
     LOONGKIT_WHEEL_CACHE) and mmdet 3.3.0, then runs `loongkit compare` on
-    examples/mmdet_retinanet/train.py. posargs go to `loongkit compare` (e.g. `--level 2`, `--losses 40`,
-    `--env LOONGKIT_COMPILE_RESNET=0`); the table is also written to main-out/compare.{json,png}.
+    examples/bevformer_tiny/train.py (losses checked: BEV_FIRST_TOLERANCE, BEV_TOLERANCE). A first posarg `retinanet`
+    runs the mmdet 3.x RetinaNet example instead (the bitwise-equality demonstration, README's second
+    run). Other posargs go to `loongkit compare` (e.g. `--level 3`, `--losses 40`, `--env KEY=VALUE`); the
+    table is also written to main-out/compare.{json,png}.
     """
     import shutil
 
+    args = list(session.posargs)
+    example = args.pop(0) if args and args[0] in EXAMPLES else "bev"
     session.install("-U", "pip", "wheel", "setuptools<81")
     session.install(TORCH, "ninja", "psutil", "mmengine==0.10.7", "matplotlib")
     session.install("-e", ".", *[f"-e{p}" for p in PLUGINS])
-    # On a GPU with a CUDA toolkit, build mmcv's CUDA ops too: RetinaNet's FocalLoss calls them for
+    # On a GPU with a CUDA toolkit, build mmcv with CUDA ops too: RetinaNet's FocalLoss calls them for
     # CUDA tensors. A GPU without nvcc gets CPU ops, and the example then trains on the CPU.
     probe = "import torch; print(int(torch.cuda.is_available()))"
     gpu = (session.run("python", "-c", probe, silent=True) or "").strip() == "1"
@@ -111,9 +132,10 @@ def main(session: nox.Session) -> None:
         env["CUDA_VISIBLE_DEVICES"] = ""
     out = ROOT / "main-out"
     out.mkdir(exist_ok=True)
+    checks = (["--tolerance", str(BEV_TOLERANCE), "--first-tolerance", str(BEV_FIRST_TOLERANCE)]
+              if example == "bev" else [])
     session.run("loongkit", "compare", "--json", str(out / "compare.json"), "--png", str(out / "compare.png"),
-                *session.posargs, "--", "python", str(ROOT / "examples" / "mmdet_retinanet" / "train.py"),
-                env=env)
+                *checks, *args, "--", "python", *[str(ROOT / part) for part in EXAMPLES[example]], env=env)
 
 
 TORCH1 = ("torch==2.14.1", "torchvision==0.29.1")

@@ -13,6 +13,10 @@
   with its CPU stand-in for the CUDA extension (sort + cumulative sums). ``bevfusion_get_geometry``:
   the geometry alone, same inputs; a line after it says whether the patched geometry is upstream's
   bit for bit (it must be).
+- ``bev_tiny_train_step``: the full training step of ``examples/bevformer_tiny`` (``cpu`` preset: six
+  256x144 cameras, R50/32 + FPN, 16x16 BEV, 3 encoder and 6 decoder layers, 100 queries, a queue of
+  3 frames): forward, backward and the AdamW step on pre-loaded samples, LOONGKIT_BEVFORMER +
+  LOONGKIT_FUSED_ADAMW off vs on (needs the OpenMMLab 2.x stack; SKIP otherwise).
 - ``sparse4d_daf_block``: Sparse4D v3's DeformableFeatureAggregation (LOONGKIT_DAG), forward+backward
   through the feature maps, instance features and anchors, batch 1: 900 anchors, 13 key points (7
   fixed + 6 learnable), 6 cameras, levels 64x176, 32x88, 16x44, 8x22, 256 channels, 8 groups
@@ -126,6 +130,7 @@ def main() -> int:
     if kernels.load() is None:
         print(f"loongkit-ops kernels unavailable: {kernels.failure()}", file=sys.stderr)
         return 1
+    bev_tiny_train_step(args.quick, reps, rounds)  # first: it imports the real mmcv 2.x stack
     kit = _load("models_testkit")
     double = _load("mmcv1_registry_double")
     target = "mmcv.utils.registry"
@@ -178,6 +183,73 @@ def main() -> int:
     bevfusion_camera_to_bev(args.quick, target, min(reps, 3), rounds)
     sparse4d_daf_block(args.quick, target, min(reps, 3), rounds)
     return 0
+
+
+def bev_tiny_train_step(quick: bool, reps: int, rounds: int) -> None:
+    """The BEV example's full training step (examples/bevformer_tiny, ``cpu`` preset): forward with the
+    history frames, backward, gradient clipping, AdamW step (mmengine's optim wrapper, the published
+    param-wise lr), on pre-loaded samples; bare vs LOONGKIT_BEVFORMER + LOONGKIT_FUSED_ADAMW, same run.
+    Needs the OpenMMLab 2.x stack (SKIP otherwise). Runs before the other cases install their mmcv
+    1.x Registry double."""
+    try:
+        import mmcv.ops  # noqa: F401
+        import mmdet.models  # noqa: F401
+        import scipy.optimize  # noqa: F401
+    except ImportError as exc:
+        print(f"SKIP bev_tiny_train_step: {exc.name or exc} is not importable here (run in the stack2 venv)",
+              flush=True)
+        return
+    import tempfile
+
+    from mmengine.logging import MMLogger
+    from mmengine.optim import build_optim_wrapper
+    from mmengine.registry import DATASETS, MODELS, DefaultScope
+
+    MMLogger.get_instance("lk-bench-bev", log_level="WARNING")  # no per-parameter init_weights report
+    sys.path.insert(0, str(Path(__file__).parents[1] / "examples" / "bevformer_tiny"))
+    import config as bev_config
+    import projects.mmdet3d_plugin  # noqa: F401  (registers the example's classes in mmengine's registries)
+    from synthetic_scenes import make_dataset
+
+    s = bev_config.size("cpu")
+    DefaultScope.get_instance("lk-bench-bev", scope_name="mmdet")
+    with tempfile.TemporaryDirectory(prefix="lk-bench-bev-") as root:
+        ann = make_dataset(Path(root), 1, 2 + s.queue_length, s.image[0] * 2, s.image[1] * 2, 0)
+        dataset = DATASETS.build(dict(type="SyntheticNuScenesDataset", data_root=root, ann_file=ann.name,
+                                      pipeline=bev_config.train_pipeline(), queue_length=s.queue_length,
+                                      bev_size=(s.bev, s.bev), test_mode=False))
+        samples = [{k: [v] for k, v in dataset[i].items()} for i in range(len(dataset) - 2, len(dataset))]
+    torch.manual_seed(0)
+    model = MODELS.build(bev_config.model(s))
+    model.init_weights()
+    model.train()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    optim_cfg = bev_config.runner_config(s, "", "", 1, 0, 2e-4, 0, "", None)["optim_wrapper"]
+    switches = [Switch("bevformer", "mmengine.registry.registry"), Switch("fused_adamw", "torch.optim")]
+
+    def steps(on: bool, n: int) -> float:
+        """Median seconds of ``n`` training steps from the initial weights, features on or off."""
+        for switch in switches if on else ():
+            switch.on()
+        try:
+            model.load_state_dict(initial)
+            wrapper = build_optim_wrapper(model, optim_cfg)  # AdamW built here: fused when the switch is on
+            times = []
+            for i in range(n + 1):  # the first step builds the kernels and the optimizer state
+                start = time.perf_counter()
+                model.train_step(samples[i % len(samples)], wrapper)
+                times.append(time.perf_counter() - start)
+            return statistics.median(times[1:])
+        finally:
+            for switch in reversed(switches) if on else ():
+                switch.off()
+
+    base, ours = [], []
+    for _ in range(1 if quick else rounds):  # ~3 s a step here: --quick is one round of 2 + 2 steps
+        base.append(steps(False, reps))
+        ours.append(steps(True, reps))
+    tb, to = min(base), min(ours)
+    print(f"BENCH bev_tiny_train_step baseline={tb:.6f} ours={to:.6f} ratio={tb / to:.2f}", flush=True)
 
 
 class _Boxes:
