@@ -21,7 +21,6 @@ process group, and every failure only loses counts (never the run).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import threading
@@ -97,6 +96,8 @@ def _write(path: str, payload: Mapping[str, Any]) -> None:
     tmp = f"{path}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "w") as fh:
+        import json  # a report is written at the first count or exit, not at boot
+
         json.dump(payload, fh)
     os.replace(tmp, path)
 
@@ -104,10 +105,28 @@ def _write(path: str, payload: Mapping[str, Any]) -> None:
 def _read(path: str) -> dict[str, Any] | None:
     try:
         with open(path) as fh:
+            import json
+
             data = json.load(fh)
         return data if isinstance(data, dict) else None
     except (OSError, ValueError):
         return None
+
+
+def _remove(directory: str) -> None:
+    """Remove a channel directory: its files, then it (shutil, which imports bz2 and lzma at every main
+    process's exit, only for something else in it)."""
+    try:
+        for name in os.listdir(directory):
+            with contextlib.suppress(FileNotFoundError):  # another process removed it first
+                os.unlink(os.path.join(directory, name))
+        os.rmdir(directory)
+    except FileNotFoundError:
+        pass
+    except OSError:  # a subdirectory, or a report written meanwhile
+        import shutil
+
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _calls(data: Mapping[str, Any]) -> dict[str, int]:
@@ -199,10 +218,8 @@ class MainChannel:
 
     def close(self, node: bool) -> None:
         """Remove this process's reports (``node``: the whole node channel, local rank 0 at the end)."""
-        import shutil
-
         if node:
-            shutil.rmtree(self.directory, ignore_errors=True)
+            _remove(self.directory)
             return
         prefix = f"w-{self.pid}-"
         with contextlib.suppress(OSError):
@@ -211,7 +228,7 @@ class MainChannel:
                     with contextlib.suppress(OSError):
                         os.unlink(os.path.join(self.directory, name))
         if self.local_world_size <= 1:
-            shutil.rmtree(self.directory, ignore_errors=True)
+            _remove(self.directory)
 
 
 # --------------------------------------------------------------------------------------------------

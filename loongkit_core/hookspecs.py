@@ -42,7 +42,8 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 def loongkit_declare_features() -> Sequence[Feature]:
     """Return the features this plugin provides.
 
-    Called once per process when loongkit boots with at least one feature requested. Must be
+    Called once per job when loongkit boots with at least one feature requested: the job's other
+    processes reuse the declarations (:mod:`loongkit_core.resolved`). Must be
     cheap: import nothing heavy (no torch, no target library). Declare features that are not built
     yet with ``implemented=False``: the Summary then says "not implemented".
     """
@@ -64,7 +65,10 @@ def loongkit_detect(feature: Feature, env: Environment) -> str | None:
 
     Return ``None`` when it can, or a short reason when it cannot ("no NVIDIA GPU", "cgroup v2
     memory.reclaim missing"). Never import the target library to decide; use ``env.version()``,
-    ``env.hardware`` and files.
+    ``env.hardware`` and files. Read variables through ``env.environ`` (a process reusing the job's
+    resolution checks that those have the values they had), not ``os.environ``. In a process that
+    reuses the resolution, ``detect`` and ``configure`` of a feature run right before its first
+    activation there, on the same implementation object as ``activate``.
     """
 
 
@@ -98,7 +102,15 @@ def loongkit_deactivate(feature: Feature, ctx: ActivationContext) -> None:
 
 @hookspec
 def loongkit_summary(records: Sequence[FeatureRecord]) -> Sequence[str]:
-    """Return extra lines for the end of the Feature Summary (called on every plugin)."""
+    """Return extra lines for the end of the Feature Summary (called on every plugin loaded in this
+    process).
+
+    A process that boots in full loads every plugin. One that reuses its job's resolution
+    (:mod:`loongkit_core.resolved`: a DataLoader worker, a torchrun rank, a re-run) loads a plugin
+    only when one of its features activates there, so report on features that ran in this process
+    (``record.state`` applied/active, ``record.calls``); a plugin none of whose features ran is not
+    asked.
+    """
 
 
 @hookspec

@@ -19,7 +19,6 @@ from types import ModuleType
 
 from loongkit_core import activity, importhooks, log, requirements, resolved
 from loongkit_core import process as process_mod
-from loongkit_core import summary as summary_mod
 from loongkit_core._boot import CORE_VARIABLES, bool_or_none, is_unset
 from loongkit_core.context import ActivationContext, Environment, NotApplicable
 from loongkit_core.feature import Feature, FeatureRecord, PolicyDecision, State
@@ -451,6 +450,8 @@ class Runtime:
     # -- summary -------------------------------------------------------------------------------
     def summary_text(self, extra: list[str] | None = None) -> str:
         extra = self.summary_extra() if extra is None else extra
+        from loongkit_core import summary as summary_mod  # at exit only (workers never render one)
+
         return summary_mod.render(list(self.records.values()), self.manager.faults, extra, log.log_path())
 
     def summary_extra(self) -> list[str]:
@@ -498,6 +499,8 @@ class Runtime:
             if destination is None or destination.kind != "stdout" or not printed:
                 log.write_block(text)
             if self.settings.summary_json:
+                from loongkit_core import summary as summary_mod
+
                 path = summary_mod.json_path(self.settings.summary_json, self.process)
                 payload = summary_mod.to_json(list(self.records.values()), self.manager.faults, self.process,
                                               log.log_path(), extra)

@@ -6,6 +6,10 @@ the free top exceeds the trim threshold). The next call page-faults every page i
 the mmap threshold (fixed, which also stops glibc's dynamic threshold), the trim threshold and
 the top pad keeps those pages in the process; an arena cap bounds how many heaps threads spread
 that retained memory over. Values: see ``GLIBC_TUNING`` and docs/benchmarks.md.
+
+What is kept is bounded: :class:`HeapBound` lets a DataLoader worker hold about what one batch needs,
+as measured on its own batches (a heap that grows instead is trimmed), so a tuned worker's peak RSS
+stays near an untuned one's.
 """
 
 from __future__ import annotations
@@ -39,15 +43,23 @@ MiB = 1 << 20
 #   glibc's dynamic threshold. Larger bought nothing.
 # * trim_threshold 512 MiB: the free heap top kept is bounded by it; 256 MiB still released
 #   Voxelization's table each call. The cost: peak RSS +0 to +190 MiB per worker above.
-# * top_pad 64 MiB: each heap extension asks for this much extra, so growth takes few brk calls.
+# * top_pad 0 (issue 18; was 64 MiB): padding each heap extension fragmented Voxelization's heap, which
+#   grew by its 320 MiB of temporaries on each of its first calls (peak RSS 622 -> 1,414 MiB, with 82k
+#   faults per call until then); without padding it is reused from the second call (615 MiB, 0 faults).
 # * arena_max 4: DataLoader workers run Python in one thread plus a few library threads; more
 #   arenas only multiply retained memory (arena_max 1 made Voxelization slower: 74 ms, 25k faults).
+# What stays resident is then bounded per worker by HeapBound (below), not by these thresholds.
 GLIBC_TUNING: dict[str, int] = {
     "mmap_threshold": 256 * MiB,
     "trim_threshold": 512 * MiB,
-    "top_pad": 64 * MiB,
+    "top_pad": 0,
     "arena_max": 4,
 }
+# HeapBound trims only when a worker holds more than after a clean batch by a quarter of that batch's
+# working set, and never for less than this: small drifts (a few MiB of Python objects, a cache filling)
+# are not heap growth worth a trim and the faults after it.
+BOUND_FLOOR = 64 * MiB
+BOUND_SLACK = 0.25
 
 # Debian/Ubuntu names first (libjemalloc2, libtcmalloc-minimal4), then what run_cpu looks for.
 LIBRARY_NAMES = {
@@ -179,6 +191,85 @@ def raise_nofile() -> tuple[int, int, int] | None:
         return None
     resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     return soft, target, hard
+
+
+def resident() -> int | None:
+    """This process's resident memory in bytes (``/proc/self/statm``), or None where unreadable."""
+    try:
+        with open("/proc/self/statm", "rb") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def trim() -> bool:
+    """``malloc_trim(0)``: give every free heap page back to the kernel (holes too, not just the top)."""
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    fn(0)
+    return True
+
+
+class HeapBound:
+    """What a tuned DataLoader worker may hold between batches: about what one batch needs.
+
+    Measured per worker, in resident memory: a batch that starts on a trimmed heap (the worker's first,
+    or the one after a trim) shows what the worker holds with one batch's temporaries kept
+    (``held``) and how much of that the batch added (``working_set``). A later batch that leaves the
+    worker holding more than ``held`` plus :data:`BOUND_SLACK` of the working set (at least
+    :data:`BOUND_FLOOR`) has grown the heap instead of reusing it: ``malloc_trim(0)`` returns every
+    free page and the next batch starts trimmed again (its temporaries fault in once).
+
+    Why a heap grows although each batch frees what it allocated: torch allocates tensors with
+    ``posix_memalign(64)``, and glibc before 2.38 cannot place an aligned block in a free chunk of
+    exactly its size (it asks for the size plus the alignment), so a freed table of N bytes is not
+    reused by the next batch's table of N bytes; two such tables freed together leave a 2N hole that
+    fits one of the next pair, the other goes to the top. Without the bound a worker grew by a batch's
+    temporaries per batch until the holes were large enough (Voxelization: 622 -> 1,414 MiB)."""
+
+    def __init__(self, floor: int = BOUND_FLOOR, slack: float = BOUND_SLACK) -> None:
+        self.floor = floor
+        self.slack = slack
+        self.held = 0  # bytes resident after a batch that started trimmed (the largest seen)
+        self.working_set = 0  # bytes such a batch added to what the worker held before it
+        self.trims = 0
+        self.batches = 0
+        self._base = resident()  # before the next clean batch: at start, or right after a trim
+        self._clean = True
+        self.available = self._base is not None
+
+    @property
+    def limit(self) -> int:
+        """The most the worker may hold after a batch without a trim (bytes)."""
+        return self.held + max(self.floor, int(self.working_set * self.slack))
+
+    def after_batch(self) -> bool:
+        """Call after each batch; True when it trimmed. Never raises."""
+        try:
+            now = resident()
+            if now is None or self._base is None:
+                return False
+            self.batches += 1
+            if self._clean:
+                self.held = max(self.held, now)
+                self.working_set = max(self.working_set, now - self._base)
+                self._clean = False
+                return False
+            if now <= self.limit or not trim():
+                return False
+            self.trims += 1
+            self._base = resident()
+            self._clean = True
+            return True
+        except Exception:
+            return False
+
+    def to_json(self) -> dict[str, int]:
+        return {"held": self.held, "working_set": self.working_set, "trims": self.trims, "batches": self.batches}
 
 
 def minor_faults(who: int = resource.RUSAGE_SELF) -> int:

@@ -7,7 +7,11 @@
   (and pages) alone. mmengine's BaseDataset already serializes (``serialize_data``): skipped.
   A list that user code mutates goes back to a real list (logged) and is never converted again.
 * Every worker (fork, spawn, forkserver) gets the glibc malloc tuning of
-  :data:`loongkit_data.allocator.GLIBC_TUNING` at start (skipped with the reason off glibc).
+  :data:`loongkit_data.allocator.GLIBC_TUNING` at start (skipped with the reason off glibc): a batch's
+  large temporaries stay in the heap for the next batch instead of page-faulting in again. What it
+  keeps is bounded by :class:`loongkit_data.allocator.HeapBound`, checked after each batch: about what
+  one of its batches needs, measured (a heap that grows instead is trimmed). Workers report their
+  bound to the main process's Summary through the job's activity directory.
 * RLIMIT_NOFILE's soft limit is raised to the hard limit: shared-memory tensors travel as fds.
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 import functools
 import gc
 import inspect
+import os
 import time
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -25,6 +30,7 @@ from loongkit_core.context import ActivationContext, NotApplicable
 from loongkit_core.kit import FeatureImpl
 from loongkit_data import allocator
 
+REPORT_PREFIX = "pytorch-heap-"  # a worker's HeapBound report in the job's activity directory
 MIN_RECORDS = 1000  # below this a list costs a worker little; not worth a pickle pass
 SAMPLE = 32  # records checked for being dicts/tuples (spread over the list)
 MAX_DEPTH = 4  # wrapper datasets followed (Subset, ConcatDataset, RepeatDataset...)
@@ -83,8 +89,11 @@ class PytorchMemory(FeatureImpl):
     def activate(self, ctx: ActivationContext, target: str | None) -> None:
         self.ctx = ctx
         reason = allocator.glibc_reason()
-        self.config = {"worker_malloc": {k: allocator._human(v) if k != "arena_max" else v
-                                         for k, v in allocator.GLIBC_TUNING.items()}
+        self.config = {"worker_malloc": {**{k: allocator._human(v) if k != "arena_max" else v
+                                            for k, v in allocator.GLIBC_TUNING.items()},
+                                         "bound": f"each worker holds <= its size after a clean batch "
+                                                  f"+{allocator.BOUND_SLACK:.0%} of that batch "
+                                                  f"(>= {allocator.BOUND_FLOOR // allocator.MiB}MiB), else trimmed"}
                        if reason is None else f"skipped: {reason}",
                        "serialize": f"fork workers, lists of >= {MIN_RECORDS} dicts/tuples"}
         if reason is not None:
@@ -256,11 +265,93 @@ class PytorchMemory(FeatureImpl):
                 self.ctx.log.info("worker malloc tuning skipped", worker=worker_id, reason=result.skipped)
             else:
                 self.ctx.log.debug("worker malloc tuned", worker=worker_id, **result.to_config())
+        if not result.skipped:
+            try:
+                self._bound_batches(worker_id)
+            except Exception as exc:  # the tuning stays; only its bound is missing (logged)
+                if self.ctx is not None:
+                    self.ctx.log.warning("worker heap bound not installed", worker=worker_id, error=repr(exc))
+
+    def _bound_batches(self, worker_id: int) -> None:
+        """In this worker: check :class:`~loongkit_data.allocator.HeapBound` after each batch (each fetch
+        of the worker loop), and report it to the main process when it changes."""
+        from torch.utils.data._utils import fetch
+
+        from loongkit_core import activity
+
+        bound = allocator.HeapBound()
+        if not bound.available:
+            return
+        worker_state["heap_bound"] = bound
+        job = activity.job_directory()
+        path = os.path.join(job[0], f"{REPORT_PREFIX}{job[1]}-{os.getpid()}.json") if job is not None else None
+        reported: list[tuple[int, int]] = []
+
+        def report(force: bool = False) -> None:
+            state = (bound.working_set, bound.trims)
+            if path is not None and (force or not reported or reported[-1] != state):
+                reported[:] = [state]
+                try:
+                    activity.write_report(path, {"worker_id": worker_id, **bound.to_json()})
+                except OSError:
+                    pass
+
+        def after() -> None:
+            bound.after_batch()
+            report()
+
+        # The batch count only needs to be right at the end: the loop's return writes the last state.
+        workers.on_worker_exit(lambda _worker_id: report(force=True), owner=self.feature.name)
+
+        for cls in (fetch._MapDatasetFetcher, fetch._IterableDatasetFetcher):
+            original = cls.fetch
+
+            def bounded(fetcher: Any, possibly_batched_index: Any, _original: Any = original) -> Any:
+                try:
+                    return _original(fetcher, possibly_batched_index)
+                finally:
+                    after()
+
+            bounded.__wrapped__ = original  # type: ignore[attr-defined]
+            if self.ctx is not None:
+                self.ctx.patcher.patch(cls, "fetch", bounded)
+            else:
+                cls.fetch = bounded  # type: ignore[method-assign]
+
+    def worker_bounds(self) -> list[dict[str, int]]:
+        """The HeapBound reports of this main process's DataLoader workers (their last state)."""
+        from loongkit_core import activity
+
+        job = activity.job_directory()
+        if job is None or job[1] != os.getpid():
+            return []
+        prefix = f"{REPORT_PREFIX}{job[1]}-"
+        try:
+            names = sorted(n for n in os.listdir(job[0]) if n.startswith(prefix) and n.endswith(".json"))
+        except OSError:
+            return []
+        found = []
+        for name in names:
+            data = activity.read_report(os.path.join(job[0], name))
+            keys = ("held", "working_set", "trims", "batches")
+            if data is not None and all(isinstance(data.get(k), int) for k in keys):
+                found.append({k: int(data[k]) for k in keys})
+        return found
 
     def summary_lines(self) -> list[str]:
         import resource
 
         lines = []
+        bounds = self.worker_bounds()
+        if bounds:
+            def span(key: str) -> str:
+                values = sorted(b[key] / 2**20 for b in bounds)
+                return f"{values[0]:,.0f}" + (f"-{values[-1]:,.0f}" if round(values[-1]) != round(values[0]) else "")
+
+            lines.append(f"pytorch: worker memory bound in force: {len(bounds)} worker(s) each held at most its size "
+                         f"after a clean batch ({span('held')} MiB, of which one batch {span('working_set')} MiB) "
+                         f"+{allocator.BOUND_SLACK:.0%}; trimmed {sum(b['trims'] for b in bounds):,} time(s) in "
+                         f"{sum(b['batches'] for b in bounds):,} batches")
         if self.serialized:
             total = sum(v["records"] for v in self.serialized.values())
             size = sum(v["bytes"] for v in self.serialized.values()) / 2**20

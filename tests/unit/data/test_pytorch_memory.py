@@ -231,6 +231,75 @@ def test_preparation_fault_never_breaks_the_loader(feature: Any, monkeypatch: py
     assert len(batches(DataLoader(ds, batch_size=100, num_workers=2, multiprocessing_context="fork"))) == 10
 
 
+# -- the bound on what a tuned worker holds (issue 18) -------------------------------------------------
+
+MiB = 1 << 20
+
+
+def test_heap_bound_trims_only_a_heap_that_grew(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Clean batch -> the measure; a later batch holding more than it by > slack (and > floor) -> trim,
+    and the batch after it is clean again; drift below the floor is left alone."""
+    rss = [300 * MiB]
+    trims: list[int] = []
+    monkeypatch.setattr(allocator, "resident", lambda: rss[0])
+
+    def trim() -> bool:
+        trims.append(rss[0])
+        rss[0] = 300 * MiB  # everything free given back: the live memory is left
+        return True
+
+    monkeypatch.setattr(allocator, "trim", trim)
+    bound = allocator.HeapBound(floor=64 * MiB, slack=0.25)
+    steps = [(620, False), (630, False), (940, True), (610, False), (700, False), (1000, True), (620, False)]
+    for held, trimmed in steps:
+        rss[0] = held * MiB
+        assert bound.after_batch() is trimmed, (held, bound.to_json())
+    assert bound.held == 620 * MiB and bound.working_set == 320 * MiB  # 300 at start -> 620 after a clean batch
+    assert bound.limit == (620 + 80) * MiB and bound.trims == 2 and bound.batches == 7
+    assert trims == [940 * MiB, 1000 * MiB]
+
+
+FRAGMENT = r"""
+import json, sys, torch
+from loongkit_data import allocator
+allocator.apply_glibc()
+torch.set_num_threads(1)
+bound = allocator.HeapBound() if sys.argv[1] == "bounded" else None
+keep, seen = [], []
+for _ in range(8):
+    a = torch.ones(8 << 20)  # 32 MiB, posix_memalign'd like every torch tensor
+    b = -a
+    del a
+    keep.append(torch.empty(64))  # outlives the batch, allocated after the pair
+    c = b + 1
+    del b, c
+    if bound is not None:
+        bound.after_batch()
+    seen.append((allocator.resident() or 0) >> 20)
+print(json.dumps(seen))
+"""
+
+
+def _grow_then_measure(bounded: bool) -> list[int]:
+    """8 batches of torch temporaries that glibc < 2.38 cannot reuse (a posix_memalign'd pair freed
+    below a small tensor that outlives the batch), tuned, in a fresh interpreter (the tuning must not
+    reach pytest, and pytest's own heap would hide the pattern); RSS in MiB after each batch."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FRAGMENT, "bounded" if bounded else "unbounded"],
+                         capture_output=True, text=True, check=True, timeout=300).stdout
+    return [int(x) for x in json.loads(out.strip().splitlines()[-1])]
+
+
+def test_heap_bound_keeps_a_fragmenting_worker_near_one_batch() -> None:
+    unbounded, bounded = _grow_then_measure(False), _grow_then_measure(True)
+    # Tuned but unbounded: the heap grows by about a tensor per batch (measured: +32..+64 MiB each).
+    assert unbounded[-1] - unbounded[0] > 3 * 32, unbounded
+    # Bounded: never more than the first (clean) batch's size plus the slack (at least the floor).
+    assert max(bounded) <= bounded[0] + allocator.BOUND_FLOOR // MiB, bounded
+
+
 def test_nofile_raised_to_hard(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[int, int]] = []
     monkeypatch.setattr(resource, "getrlimit", lambda which: (256, 4096))
@@ -278,6 +347,9 @@ def test_end_to_end_workers_tuned(run_loongkit: Any, tmp_path: Any, method: str)
     assert row["active"] and row["state"] == "active"
     assert row["config"]["worker_malloc"]["mmap_threshold"] == "256MiB"
     assert "pytorch                        *" in result.stdout
+    # Each worker reported its bound (in the activity directory) to the main process's Summary.
+    assert "pytorch: worker memory bound in force: 2 worker(s)" in result.stdout
+    assert "in 4 batches" in result.stdout
     assert "RLIMIT_NOFILE" in result.logs()
 
 
