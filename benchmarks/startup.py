@@ -16,7 +16,8 @@ differences; goals from issue 18, for a quiet machine):
                           activating on import; resolution reused) vs bare      (goal: no slower than before)
   startup_import_torch_full  the same, resolving in full                         (reported)
 Each case prints wall time, CPU time (ru_utime + ru_stime of the child, far less noisy than wall time
-on a loaded machine) and peak RSS (ru_maxrss of the child), and the load average around it.
+on a loaded machine) and peak RSS (the child's VmHWM at its very end: its ru_maxrss would start from
+this script's own RSS, which a forked child inherits before it execs), and the load average around it.
 
     python benchmarks/startup.py [--quick] [--only CASE,...] [--check [--margin 2]] [--check-ms 20]
 
@@ -40,6 +41,21 @@ from loongkit_core.prelude import PATH as PRELUDE
 
 MiB = 1 << 20
 
+# Reports the child's peak RSS after everything else at exit (loongkit's Summary included: atexit runs
+# last what registered first, and the prelude runs this sitecustomize before it boots).
+HWM_SITECUSTOMIZE = """
+import atexit, sys
+def _loongkit_bench_hwm():
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    sys.stderr.write("LOONGKIT_BENCH_VMHWM " + line.split()[1] + "\\n")
+    except OSError:
+        pass
+atexit.register(_loongkit_bench_hwm)
+"""
+
 
 @dataclass
 class Case:
@@ -49,7 +65,7 @@ class Case:
     argv: tuple[str, ...] = ()
     goal_ms: float | None = None  # overhead goal (quiet machine)
     goal_mib: float | None = None
-    runs: int | None = None  # fewer for the slow torch cases
+    runs: int | None = None  # fewer for the slow torch cases in --quick
 
 
 @dataclass
@@ -59,9 +75,15 @@ class Result:
     rss: tuple[float, float, float]  # bytes
 
 
+_HWM_DIR = tempfile.mkdtemp(prefix="loongkit-bench-hwm-")
+with open(os.path.join(_HWM_DIR, "sitecustomize.py"), "w") as _fh:
+    _fh.write(HWM_SITECUSTOMIZE)
+
+
 def _clean_env() -> dict[str, str]:
+    """Both sides: no LOONGKIT_* variables, the peak-RSS reporter as the user's sitecustomize."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LOONGKIT_", "_LOONGKIT_"))}
-    env.pop("PYTHONPATH", None)
+    env["PYTHONPATH"] = _HWM_DIR
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # both sides use the bytecode caches the warm-up writes
     return env
 
@@ -69,18 +91,25 @@ def _clean_env() -> dict[str, str]:
 def _run(env: dict[str, str], code: str, argv: tuple[str, ...]) -> tuple[float, float, int]:
     """(wall seconds, CPU seconds, peak RSS bytes) of one interpreter running ``code``."""
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", code, *argv], env=env, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-c", code, *argv], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    err = proc.stderr.read()
     _, status, usage = os.wait4(proc.pid, 0)
     elapsed = time.perf_counter() - start
     code_ = os.waitstatus_to_exitcode(status)
     if code_ != 0:
-        raise SystemExit(f"child failed with {code_}: {code!r} {argv}")
-    return elapsed, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024
+        raise SystemExit(f"child failed with {code_}: {code!r} {argv}\n{err.decode(errors='replace')}")
+    hwm = [line.split()[1] for line in err.decode(errors="replace").splitlines()
+           if line.startswith("LOONGKIT_BENCH_VMHWM ")]
+    rss = int(hwm[-1]) * 1024 if hwm else usage.ru_maxrss * 1024
+    return elapsed, usage.ru_utime + usage.ru_stime, rss
 
 
 def handoff(extra: dict[str, str]) -> dict[str, str]:
     """What a main process booted with ``extra`` hands its children (the _LOONGKIT_* variables)."""
-    env = {**_clean_env(), "PYTHONPATH": PRELUDE, **extra}
+    env = {**_clean_env(), **extra}
+    env["PYTHONPATH"] = os.pathsep.join([PRELUDE, _HWM_DIR])
     code = "import json, os; print(json.dumps({k: v for k, v in os.environ.items() if k.startswith('_LOONGKIT_')}))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     return dict(json.loads(out.strip().splitlines()[-1]))
@@ -88,7 +117,7 @@ def handoff(extra: dict[str, str]) -> dict[str, str]:
 
 def measure(case: Case, runs: int) -> Result:
     base_env = _clean_env()
-    ours_env = {**base_env, "PYTHONPATH": PRELUDE, **case.extra}
+    ours_env = {**base_env, "PYTHONPATH": os.pathsep.join([PRELUDE, _HWM_DIR]), **case.extra}
     for _ in range(2):  # warm the page cache and .pyc files (and write the resolution)
         _run(base_env, case.code, case.argv)
         _run(ours_env, case.code, case.argv)
@@ -140,7 +169,7 @@ def main() -> int:
         if only and case.name not in only:
             continue
         load = os.getloadavg()[0]
-        n = min(runs, case.runs) if case.runs else runs
+        n = min(runs, case.runs) if case.runs and args.quick else runs
         r = measure(case, n)
         print(f"BENCH {case.name} baseline={r.wall[0]:.4f} ours={r.wall[1]:.4f} ratio={r.wall[0] / r.wall[1]:.3f}")
         print(f"BENCH {case.name}_cpu baseline={r.cpu[0]:.4f} ours={r.cpu[1]:.4f} ratio={r.cpu[0] / r.cpu[1]:.3f}")
