@@ -11,7 +11,7 @@ PhotoMetricDistortion and Normalize per view, rescale, padding, packing). AdamW 
 warm-up + cosine schedule. Seeded and deterministic; mmengine logs every iteration
 (``time: ... data_time: ... loss: ...``).
 
-    python examples/bevformer_tiny/train.py --iters 30
+    python examples/bevformer_tiny/train.py --iters 24
     loongkit compare -- python examples/bevformer_tiny/train.py          # README command 1
     python examples/bevformer_tiny/train.py --phases out.json             # per-phase times
     python examples/bevformer_tiny/train.py --flops                       # FLOP split, both presets
@@ -35,7 +35,7 @@ from synthetic_scenes import make_dataset  # noqa: E402
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--iters", type=int, default=24, help="iterations (24: 20 losses compared + warm-up)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--preset", choices=sorted(config.PRESETS), default="cpu")
     parser.add_argument("--scenes", type=int, default=4, help="synthetic sequences to generate")
