@@ -113,7 +113,12 @@ def truth_figures(truth: list[Any]) -> dict[str, float]:
     warm = truth[warm_count(len(truth)):]
     walls = [t[0] for t in warm]
     waits = [t[1] for t in warm]
-    return {"median": statistics.median(walls), "share": sum(waits) / sum(walls)}
+    deciles = statistics.quantiles(walls, n=10, method="inclusive")
+    return {"median": statistics.median(walls), "share": sum(waits) / sum(walls),
+            # the median's neighbourhood: a job whose steps fall into two modes (a prefetched epoch start, then
+            # data-bound steps) has a median that jumps between them on a microsecond's difference in where a
+            # step is cut, so the monitor's median must lie among the job's own middle steps, not on one value
+            "p40": deciles[3], "p60": deciles[5]}
 
 
 def worker_cpu_truth(truth: list[Any]) -> float:
@@ -135,7 +140,7 @@ def worker_cpu_truth(truth: list[Any]) -> float:
 def assert_matches(d: dict[str, Any], truth: list[Any]) -> dict[str, float]:
     t = truth_figures(truth)
     assert d["steps"] == len(truth)
-    assert d["step_median_s"] == pytest.approx(t["median"], rel=0.05)
+    assert t["p40"] / 1.05 <= d["step_median_s"] <= t["p60"] * 1.05, (d["step_median_s"], t)
     assert d["data_wait_share"] == pytest.approx(t["share"], rel=0.05)
     return t
 
