@@ -6,6 +6,11 @@ the command's own output (``loss``, ``time``, ``data_time`` as mmengine, Hugging
 scripts print them: ``loss: 0.51``, ``loss=0.51``, ``loss 0.51``); peak RSS comes from the kernel
 (``wait4``). The table says whether the first N losses match (bitwise, or the largest relative
 difference), then shows loongkit's Feature Summary. ``--json`` and ``--png`` write the same data.
+
+``--repeat N`` runs the pair N times, alternating (baseline, loongkit, baseline, ...), so that a
+machine whose load changes during the job weighs on both sides alike: step and data times pool every
+run's warm steps, the table adds each run's median, and the losses of a side's runs must agree with
+each other (a nondeterministic job says so: its loss comparison then measures the job, not loongkit).
 """
 
 from __future__ import annotations
@@ -46,10 +51,42 @@ class RunStats:
     step_times: list[float] = field(default_factory=list)
     data_times: list[float] = field(default_factory=list)
     output: str = ""
+    pooled: bool = False  # the times are already warm ones, pooled from several runs (pool())
+    run_step_medians: list[float | None] = field(default_factory=list)  # one per run when pooled
+
+    def warm(self, values: list[float]) -> list[float]:
+        if self.pooled:
+            return values
+        return values[len(values) // 5:] or values  # skip warm-up (compilation, first batches)
 
     def median(self, values: list[float]) -> float | None:
-        warm = values[len(values) // 5:] or values  # skip warm-up (compilation, first batches)
+        warm = self.warm(values)
         return statistics.median(warm) if warm else None
+
+
+def pool(runs: list[RunStats]) -> RunStats:
+    """One side's repeated runs as one: every run's warm step and data times, the median wall time,
+    the largest peak RSS, the first failing exit code; losses and output (the Summary) of the first run."""
+    first = runs[0]
+    if len(runs) == 1:
+        return first
+    return RunStats(first.label, returncode=next((r.returncode for r in runs if r.returncode), 0),
+                    wall_s=statistics.median(r.wall_s for r in runs),
+                    peak_rss_bytes=max(r.peak_rss_bytes for r in runs), losses=first.losses,
+                    step_times=[t for r in runs for t in r.warm(r.step_times)],
+                    data_times=[t for r in runs for t in r.warm(r.data_times)], output=first.output, pooled=True,
+                    run_step_medians=[r.median(r.step_times) for r in runs])
+
+
+def repeat_agreement(runs: list[RunStats], n: int) -> str | None:
+    """Whether a side's repeated runs logged the same first N losses (None for a single run)."""
+    if len(runs) < 2:
+        return None
+    first = runs[0].losses[:n]
+    worst = max(compare_losses(first, r.losses, n)["max_rel_diff"] or 0.0 for r in runs[1:])
+    if all(r.losses[:n] == first for r in runs[1:]):
+        return f"identical losses in its {len(runs)} runs"
+    return f"losses differ between its own {len(runs)} runs by up to {worst:.1e} relative: the job is not deterministic"
 
 
 def parse_metrics(text: str) -> dict[str, list[float]]:
@@ -108,10 +145,11 @@ class _Spinner:
             sys.stderr.write("\r" + " " * (len(self.label) + 12) + "\r")
 
 
-def run_once(command: list[str], env: dict[str, str], label: str, echo: bool) -> RunStats:
+def run_once(command: list[str], env: dict[str, str], label: str, echo: bool, progress: str | None = None,
+             ) -> RunStats:
     stats = RunStats(label)
     start = time.perf_counter()
-    with _Spinner(f"running {label}"):
+    with _Spinner(f"running {progress or label}"):
         proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert proc.stdout is not None
         chunks = []
@@ -161,7 +199,8 @@ def first_loss_difference(a: list[float], b: list[float]) -> float | None:
 
 
 def render_table(base: RunStats, ours: RunStats, losses: dict[str, Any], tolerance: float,
-                 first_tolerance: float | None = None) -> str:
+                 first_tolerance: float | None = None, agreement: tuple[str | None, str | None] = (None, None),
+                 ) -> str:
     def fmt(value: float | None, scale: float = 1.0, unit: str = "") -> str:
         return "n/a" if value is None else f"{value * scale:.2f}{unit}"
 
@@ -180,6 +219,13 @@ def render_table(base: RunStats, ours: RunStats, losses: dict[str, Any], toleran
          ratio(base.peak_rss_bytes, ours.peak_rss_bytes)),
         ("exit code", str(base.returncode), str(ours.returncode), ""),
     ]
+    if base.pooled or ours.pooled:
+        def each(stats: RunStats) -> str:
+            return " / ".join("n/a" if m is None else f"{m * 1000:.0f}" for m in stats.run_step_medians) + " ms"
+
+        pairs = [b / o for b, o in zip(base.run_step_medians, ours.run_step_medians, strict=False) if b and o]
+        spread = f"{min(pairs):.2f}-{max(pairs):.2f}x" if pairs else ""
+        rows.insert(2, ("  each run's median", each(base), each(ours), spread))
     width = max(len(r[0]) for r in rows) + 2
     lines = ["=" * 72, f"{'loongkit compare':<{width}}{'baseline':>16}{'loongkit':>16}{'speed-up':>12}", "-" * 72]
     lines += [f"{name:<{width}}{b:>16}{o:>16}{r:>12}" for name, b, o, r in rows]
@@ -202,6 +248,9 @@ def render_table(base: RunStats, ours: RunStats, losses: dict[str, Any], toleran
         lines.append("  loongkit: " + " ".join(f"{x:.4f}" for x in ours.losses[:min(n, 8)]))
     else:
         lines.append("no 'loss' values found in the output: nothing to compare")
+    for stats, note in zip((base, ours), agreement, strict=True):
+        if note:
+            lines.append(f"{stats.label}: {note}")
     lines.append("=" * 72)
     return "\n".join(lines) + "\n"
 
@@ -241,12 +290,21 @@ def main(args: argparse.Namespace) -> int:
     for item in args.env or []:
         key, _, value = item.partition("=")
         base_env[key] = value
-    base = run_once(command, _environ(base_env, False, args.level, summary_json), "baseline", args.echo)
     launcher = shutil.which("loongkit-run") or os.path.join(os.path.dirname(sys.executable), "loongkit-run")
-    ours = run_once([launcher, *command], _environ(base_env, True, args.level, summary_json), "loongkit",
-                    args.echo)
+    base_runs: list[RunStats] = []
+    our_runs: list[RunStats] = []
+    for i in range(args.repeat):  # alternating, so load that changes over time weighs on both sides
+        suffix = f" {i + 1}/{args.repeat}" if args.repeat > 1 else ""
+        base_runs.append(run_once(command, _environ(base_env, False, args.level, summary_json), "baseline",
+                                  args.echo, progress=f"baseline{suffix}"))
+        # The first loongkit run's Summary JSON is the one reported (later runs write elsewhere).
+        our_json = summary_json if i == 0 else os.path.join(tmp, f"summary.{i}.json")
+        our_runs.append(run_once([launcher, *command], _environ(base_env, True, args.level, our_json), "loongkit",
+                                 args.echo, progress=f"loongkit{suffix}"))
+    base, ours = pool(base_runs), pool(our_runs)
     losses = compare_losses(base.losses, ours.losses, args.losses)
-    table = render_table(base, ours, losses, args.tolerance, args.first_tolerance)
+    agreement = (repeat_agreement(base_runs, args.losses), repeat_agreement(our_runs, args.losses))
+    table = render_table(base, ours, losses, args.tolerance, args.first_tolerance, agreement)
     sys.stdout.write(table)
     summary = json.loads(Path(summary_json).read_text()) if os.path.exists(summary_json) else None
     start = ours.output.find("=" * 28 + " Loongkit Feature Summary")
@@ -258,7 +316,8 @@ def main(args: argparse.Namespace) -> int:
         tail = (ours if ours.returncode else base).output[-3000:]
         sys.stdout.write(f"--- output tail of the failing run ---\n{tail}\n")
     if args.json:
-        payload = {"command": command, "level": args.level, "losses": losses,
+        payload = {"command": command, "level": args.level, "repeat": args.repeat, "losses": losses,
+                   "repeat_agreement": {"baseline": agreement[0], "loongkit": agreement[1]},
                    "first_difference": first_difference(base.losses, ours.losses, args.losses),
                    "first_loss": {"rel_diff": first_loss_difference(base.losses, ours.losses),
                                   "tolerance": args.first_tolerance},
@@ -278,6 +337,13 @@ def main(args: argparse.Namespace) -> int:
     return 0 if ok and (matched or not args.strict_losses) else 1
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("compare", help="run a training command without and with loongkit; one comparison table")
     p.add_argument("--level", type=int, default=1, choices=(1, 2, 3), help="LOONGKIT_ALL for the loongkit run")
@@ -290,5 +356,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", help="write the comparison as JSON here")
     p.add_argument("--png", help="write a plot of losses and step times here (needs matplotlib)")
     p.add_argument("--echo", action="store_true", help="stream both runs' output, prefixed")
+    p.add_argument("--repeat", type=_positive, default=1,
+                   help="run the pair N times, alternating; times pool every run's warm steps (default 1)")
     p.add_argument("cmd", nargs=argparse.REMAINDER)
     p.set_defaults(func=main)
