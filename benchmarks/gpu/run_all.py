@@ -11,8 +11,8 @@ Cases, each in its own interpreter so a failing one does not hide the others (ke
 - prefetch : ``benchmarks/gpu/data_prefetch.py`` (LOONGKIT_DATA_PREFETCH / MMENGINE_DATA_PREFETCH):
              step time of a loop whose step copies detection-sized batches to the GPU, plain vs prefetched.
 - msda     : loongkit-ops' Triton multi-scale deformable attention (forward + backward, BEVFormer-tiny
-             SCA shape) vs mmcv's CUDA ``MultiScaleDeformableAttnFunction`` when an mmcv built with
-             CUDA ops imports and runs (none is carried to the GPU machine yet), else the torch reference
+             SCA shape) vs mmcv's CUDA ``MultiScaleDeformableAttnFunction`` (an installed mmcv with CUDA
+             ops, else mmcv 2.1.0's carried sources built here), else the torch reference
              (``msda.reference``); also prints the largest difference.
 - msda_fused : loongkit-ops' Triton fused deformable attention (``loongkit::ms_deform_attn_fused``: softmax,
              sampling locations, sampling and the mean over the [previous, current] BEV in one kernel;
@@ -20,12 +20,14 @@ Cases, each in its own interpreter so a failing one does not hide the others (ke
              (``msda_fused.reference``), and vs the same maths unfused in torch around the
              plain Triton MSDA op; prints the largest differences of the output and both gradients.
 - daf      : the Triton deformable aggregation (forward + backward, Sparse4D v3: 6 cameras, 4 levels
-             64x176..8x22, C=256, 8 groups, 13 points, 900 anchors) vs the reference gather path.
+             64x176..8x22, C=256, 8 groups, 13 points, 900 anchors) vs Sparse4D's CUDA op (its carried
+             source built here), else the reference gather path.
 - bev_pool : the Triton BEV pooling (forward + backward, BEVFusion: ~2M points x 80 channels into
              360x360) vs the reference index_add path.
 - voxelize : the Triton hard voxelization (nuScenes CenterPoint: ~300k points x 5, 10 points per
-             voxel, 90k voxels) vs mmcv's CUDA hard_voxelize in deterministic mode (the sort-based
-             reference when mmcv's ops are absent); prints whether the outputs are identical.
+             voxel, 90k voxels) vs mmcv's CUDA hard_voxelize in deterministic mode (installed or carried
+             mmcv; the sort-based reference when neither runs); prints whether the outputs are identical,
+             and whether the dynamic voxelization equals mmcv's dynamic_voxelize (or the reference).
 - dice     : the Triton Dice statistics (forward + backward, [4, 19, 256, 512] logits), mmseg 1.x
              ``dice_stats`` and mmseg 0.x ``dice_class_stats``, vs the reference torch formulas.
 - tf32     : LOONGKIT_ALLOW_TF32's switch: fp32 matmul (4096^2) and 3x3 conv (ResNet stage shape) with
@@ -34,11 +36,13 @@ Cases, each in its own interpreter so a failing one does not hide the others (ke
              step eager vs compiled, and the first (compiling) step.
 
     python benchmarks/gpu/run_all.py [--quick] [--cases prefetch,tf32] [--json out.json] [--budget S]
+        [--build-baselines | --no-build-baselines] [--build-time S]
     TRITON_INTERPRET=1 python benchmarks/gpu/run_all.py --dry-run [--self-test-break]
 
 Prints ``CHECK``/``BENCH``/``SKIP`` lines per case as they come, then the table ``loongkit bench`` prints.
-``--budget`` (seconds, 330 with --quick) bounds the whole run: each case gets what is left, so
-``--quick`` ends within 6 minutes even if a case hangs. ``--dry-run`` is the CI guard against rot:
+``--budget`` (seconds, 330 with --quick) bounds the whole run, the baselines' build included (at most
+``--build-time`` s, 150 by default, and never less than 120 s left for the cases): each case gets what
+is left, so ``--quick`` ends within 6 minutes even if a case hangs. ``--dry-run`` is the CI guard against rot:
 the kernel cases in this process on the CPU, Triton's interpreter (TRITON_INTERPRET=1, set if
 absent) running the kernels (each op's backend forced to 'triton'), tiny shapes, one repetition;
 its timings mean nothing. ``--self-test-break`` replaces every reference with a wrong one, to show
@@ -126,23 +130,34 @@ def bench_line(name: str, baseline: float, ours: float) -> None:
 
 
 def mmcv_msda() -> tuple[Callable[..., Any] | None, str]:
-    """mmcv's CUDA MSDA op when an mmcv built with CUDA ops imports and runs, else (None, why)."""
+    """mmcv's CUDA MSDA op: an installed mmcv's when its CUDA ops run, else the carried build's; else
+    (None, why). Returns (fn(value, shapes, starts, loc, attn), label or why)."""
     if DEV.type != "cuda":
         return None, "not on a CUDA device"
+    import torch
+
+    tiny = (torch.zeros(1, 4, 1, 2, device=DEV), torch.tensor([[2, 2]], device=DEV), torch.tensor([0], device=DEV),
+            torch.zeros(1, 1, 1, 1, 1, 2, device=DEV), torch.ones(1, 1, 1, 1, 1, device=DEV))
     try:
-        import torch
         from mmcv.ops.multi_scale_deform_attn import MultiScaleDeformableAttnFunction
 
         def run(v: Any, shapes: Any, starts: Any, loc: Any, attn: Any) -> Any:
             return MultiScaleDeformableAttnFunction.apply(v, shapes, starts, loc, attn, 64)
 
-        # mmcv may import yet lack its CUDA ops: one tiny call says.
-        run(torch.zeros(1, 4, 1, 2, device=DEV), torch.tensor([[2, 2]], device=DEV),
-            torch.tensor([0], device=DEV), torch.zeros(1, 1, 1, 1, 1, 2, device=DEV),
-            torch.ones(1, 1, 1, 1, 1, device=DEV))
-        return run, ""
+        run(*tiny)  # mmcv may import yet lack its CUDA ops: one tiny call says
+        return run, "mmcv MultiScaleDeformableAttnFunction (installed mmcv's CUDA op)"
     except Exception as exc:
-        return None, f"{type(exc).__name__}: {exc}"[:200]
+        installed = f"installed mmcv unusable: {type(exc).__name__}: {exc}"[:160]
+    import build_baselines
+
+    carried, why = build_baselines.mmcv_msda()
+    if carried is None:
+        return None, f"{installed}; carried mmcv 2.1.0: {why}"
+    try:
+        carried(*tiny)
+    except Exception as exc:
+        return None, f"{installed}; carried mmcv 2.1.0 fails: {type(exc).__name__}: {exc}"[:300]
+    return carried, "mmcv 2.1.0 MultiScaleDeformableAttnFunction's CUDA op (carried sources built here)"
 
 
 def case_msda(quick: bool) -> bool:
@@ -158,7 +173,7 @@ def case_msda(quick: bool) -> bool:
 
     upstream, why = mmcv_msda()
     if upstream is not None:
-        label, suffix = "mmcv MultiScaleDeformableAttnFunction (CUDA)", "vs_mmcv_cuda"
+        label, suffix = why, "vs_mmcv_cuda"
     else:
         label, suffix = f"torch reference msda.reference (mmcv's CUDA op unusable: {why})", "vs_torch_ref"
     g = torch.Generator(device=dev).manual_seed(0)
@@ -291,17 +306,34 @@ def case_daf(quick: bool) -> bool:
     loc = torch.rand(bs, anchors, pts, cams, 2, device=dev, generator=g, requires_grad=True)
     w = torch.rand(bs, anchors, pts, cams, len(levels), groups, device=dev, generator=g).requires_grad_()
     grad = torch.randn(bs, anchors, ch, device=dev, generator=g)
-    base = fwd_bwd(lambda f, lc, ww: daf.reference(f, shapes, starts, lc, ww, True),
-                   [feat, loc, w], grad)
+    upstream, why = sparse4d_daf()
+    if upstream is not None:  # Sparse4D's own CUDA op (inside-only sampling, as ours with True)
+        label, suffix = why, "vs_sparse4d_cuda"
+        base = fwd_bwd(upstream, [feat, loc, w], grad)
+    else:
+        label, suffix = f"torch reference daf.reference (Sparse4D's CUDA op unusable: {why})", "vs_torch_ref"
+        base = fwd_bwd(lambda f, lc, ww: daf.reference(f, shapes, starts, lc, ww, True), [feat, loc, w], grad)
     ours = fwd_bwd(lambda f, lc, ww: daf.deformable_aggregation(f, shapes, starts, lc, ww, True), [feat, loc, w],
                    grad)
     reps = reps_for(quick)
     tb, to = cuda_timer(base, reps), cuda_timer(ours, reps)
-    # Sparse4D's own CUDA op would be the fair baseline; its source is not carried yet.
-    print(f"  daf baseline = torch reference daf.reference (Sparse4D's CUDA op not carried); max |difference| of "
-          f"the forward = {max_difference(base, ours):.2e}", flush=True)
-    bench_line("gpu_daf_fwd_bwd_vs_torch_ref", tb, to)
+    print(f"  daf baseline = {label}; max |difference| of the forward = {max_difference(base, ours):.2e}", flush=True)
+    bench_line(f"gpu_daf_fwd_bwd_{suffix}", tb, to)
     return ok
+
+
+def sparse4d_daf() -> tuple[Callable[..., Any] | None, str]:
+    """Sparse4D's CUDA deformable aggregation from the carried build: (fn(feat, shapes, starts, loc, w), label),
+    else (None, why)."""
+    if DEV.type != "cuda":
+        return None, "not on a CUDA device"
+    import build_baselines
+
+    fn, why = build_baselines.sparse4d_daf()
+    if fn is None:
+        return None, why
+    commit = build_baselines.carry.SPARSE4D_COMMIT[:7]
+    return fn, f"Sparse4D DeformableAggregationFunction's CUDA op (commit {commit}, carried source built here)"
 
 
 def case_bev_pool(quick: bool) -> bool:
@@ -342,18 +374,13 @@ def case_voxelize(quick: bool) -> bool:
     n = pick(300_000, 30_000, 50, quick)
     size, rng, max_points, max_voxels = [0.075, 0.075, 0.2], [-54.0, -54.0, -5.0, 54.0, 54.0, 3.0], 10, 90_000
     points = torch.randn(n, 5, device=dev, generator=g) * torch.tensor([20.0, 20.0, 1.5, 1.0, 1.0], device=dev)
-    upstream: Callable[..., Any] = voxelize.hard_reference
-    label, suffix = "torch reference voxelize.hard_reference", "vs_torch_ref"
-    try:  # mmcv may import yet lack its CUDA ops: try one small call
-        if dev.type != "cuda":
-            raise RuntimeError("not on a CUDA device")
-        from mmcv.ops.voxelize import voxelization as mmcv_voxelization
-
-        mmcv_voxelization(points[:16], size, rng, max_points, max_voxels, True)
-        upstream = lambda *a: tuple(mmcv_voxelization(*a, True))  # noqa: E731  (deterministic mode)
-        label, suffix = "mmcv hard_voxelize (CUDA, deterministic)", "vs_mmcv_cuda"
-    except Exception as exc:
-        label += f" (mmcv's CUDA op unusable: {type(exc).__name__}: {exc})"[:200]
+    upstream, dyn_upstream, label, suffix = mmcv_voxelize(points)
+    if upstream is None:
+        label, suffix = f"torch reference voxelize.hard_reference ({label})", "vs_torch_ref"
+        upstream, dyn_upstream = voxelize.hard_reference, voxelize.dynamic_reference
+        dyn_label = "the reference"
+    else:
+        dyn_label = "mmcv's dynamic_voxelize"
 
     reps = reps_for(quick, 30)
     tb = cuda_timer(lambda: upstream(points, size, rng, max_points, max_voxels), reps)
@@ -361,11 +388,40 @@ def case_voxelize(quick: bool) -> bool:
     theirs = upstream(points, size, rng, max_points, max_voxels)
     mine = voxelize.hard_op(points, size, rng, max_points, max_voxels)
     same = all(a.shape == b.shape and torch.equal(a.to(b.dtype), b) for a, b in zip(mine, theirs, strict=True))
-    dyn_same = torch.equal(voxelize.dynamic_op(points, size, rng), voxelize.dynamic_reference(points, size, rng))
+    dyn_same = torch.equal(voxelize.dynamic_op(points, size, rng), dyn_upstream(points, size, rng).to(torch.int32))
     print(f"  voxelize baseline = {label}; {mine[0].shape[0]} voxels; identical output: {same}; dynamic "
-          f"identical to the reference: {dyn_same}", flush=True)
+          f"identical to {dyn_label}: {dyn_same}", flush=True)
     bench_line(f"gpu_hard_voxelize_{suffix}", tb, to)
     return ok
+
+
+def mmcv_voxelize(points: Any) -> tuple[Callable[..., Any] | None, Callable[..., Any] | None, str, str]:
+    """(hard(points, size, range, max_points, max_voxels), dynamic(points, size, range), label, suffix) on
+    mmcv's CUDA ops: an installed mmcv's when they run, else the carried build's (deterministic hard
+    voxelization); (None, None, why, '') when neither runs."""
+    if DEV.type != "cuda":
+        return None, None, "not on a CUDA device", ""
+    size, rng = [0.5, 0.5, 0.5], [-2.0, -2.0, -1.0, 2.0, 2.0, 1.0]
+    try:  # mmcv may import yet lack its CUDA ops: try one small call
+        from mmcv.ops.voxelize import voxelization as mmcv_voxelization
+
+        mmcv_voxelization(points[:16], size, rng, 3, 8, True)
+        return (lambda *a: tuple(mmcv_voxelization(*a, True)),  # deterministic mode
+                lambda p, vs, cr: mmcv_voxelization(p, vs, cr, -1),
+                "mmcv hard_voxelize (installed mmcv's CUDA op, deterministic)", "vs_mmcv_cuda")
+    except Exception as exc:
+        installed = f"installed mmcv unusable: {type(exc).__name__}: {exc}"[:160]
+    import build_baselines
+
+    carried, why = build_baselines.mmcv_voxelize()
+    if carried is None:
+        return None, None, f"{installed}; carried mmcv 2.1.0: {why}", ""
+    try:
+        carried[0](points[:16], size, rng, 3, 8)
+    except Exception as exc:
+        return None, None, f"{installed}; carried mmcv 2.1.0 fails: {type(exc).__name__}: {exc}"[:300], ""
+    return (carried[0], carried[1], "mmcv 2.1.0 hard_voxelize's CUDA op (deterministic; carried sources built here)",
+            "vs_mmcv_cuda")
 
 
 def case_dice(quick: bool) -> bool:
@@ -531,6 +587,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="CPU, Triton interpreter, tiny shapes: the kit's own test (no GPU needed)")
     parser.add_argument("--self-test-break", action="store_true",
                         help="replace every reference with a wrong one: every CHECK must then FAIL")
+    built = parser.add_mutually_exclusive_group()
+    built.add_argument("--build-baselines", action="store_true",
+                       help="build the carried upstream baselines (the default when benchmarks/gpu/carry exists) and "
+                            "fail the run if one is not available")
+    built.add_argument("--no-build-baselines", action="store_true", help="do not build them (torch references)")
+    parser.add_argument("--build-time", type=float, default=150.0, help="seconds the baselines' build may take")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # the child process for one case
     args = parser.parse_args(argv)
 
@@ -568,6 +630,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"GPU: {torch.cuda.get_device_name()} (torch {torch.__version__}, CUDA {torch.version.cuda})", flush=True)
     budget = args.budget if args.budget is not None else (330.0 if args.quick else float("inf"))
     deadline = time.perf_counter() + budget
+    baselines = prepare_baselines(args, deadline)
     flags = [*(["--quick"] if args.quick else []), *(["--self-test-break"] if args.self_test_break else [])]
     runs = []
     for case in chosen:
@@ -588,8 +651,46 @@ def main(argv: list[str] | None = None) -> int:
     print(render_table(runs), end="")
     if args.json:
         Path(args.json).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                               "runs": [asdict(r) for r in runs]}, indent=2))
-    return 1 if any(r.returncode for r in runs) or len(runs) < len(chosen) else 0
+                                               "baselines": baselines, "runs": [asdict(r) for r in runs]}, indent=2))
+    missing = [name for name, b in baselines.items() if not b["ok"]]
+    if args.build_baselines and missing:
+        print(f"FAILED baselines: {', '.join(missing)} not available (--build-baselines)", flush=True)
+    return 1 if any(r.returncode for r in runs) or len(runs) < len(chosen) or (args.build_baselines and missing) else 0
+
+
+# The cases keep at least this much of the budget whatever the build would like.
+CASES_RESERVE_S = 120.0
+
+
+def prepare_baselines(args: argparse.Namespace, deadline: float) -> dict[str, dict[str, Any]]:
+    """Build the carried upstream baselines before the cases (the build's time counts in the budget).
+
+    {baseline: {'ok', 'reason', 'seconds', ...}}; never raises: a failure only leaves the torch
+    references in place, and each case prints why.
+    """
+    import build_baselines
+
+    def none(reason: str) -> dict[str, dict[str, Any]]:
+        print(f"baselines: {reason}; the cases use installed mmcv ops if any, else the torch references", flush=True)
+        return {b.name: {"ok": False, "reason": reason, "seconds": 0.0} for b in build_baselines.BASELINES}
+
+    if args.no_build_baselines:
+        return none("not built (--no-build-baselines)")
+    why = build_baselines.verify_carry(build_baselines.CARRY)
+    if why:
+        return none(why)
+    left = deadline - time.perf_counter()
+    limit = min(args.build_time, left - CASES_RESERVE_S)
+    if limit < 10:
+        return none(f"not built: {left:.0f} s of the budget left (the cases keep {CASES_RESERVE_S:.0f} s), "
+                    f"--build-time {args.build_time:g} s")
+    start = time.perf_counter()
+    try:
+        outcomes = build_baselines.build(time_limit=limit, log=lambda line: print(line, flush=True))
+    except Exception as exc:  # build() catches its own faults; this is the last guard of the kit
+        return none(f"the build raised {type(exc).__name__}: {exc}"[:300])
+    print(f"baselines build: {time.perf_counter() - start:.1f} s of the run's budget", flush=True)
+    return {name: asdict(out) for name, out in outcomes.items()}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,237 @@
+"""Gather the upstream CUDA sources of the GPU kit's baselines into ``benchmarks/gpu/carry/`` (git-ignored).
+
+The GPU machine has no network, so what its baselines are built from travels with the working tree
+(the device tool's ``carry`` list). This script runs where a package registry is reachable and copies
+only the files the baselines' kernels need, as data (they are upstream's, never committed here):
+
+- mmcv 2.1.0 (PyPI sdist ``mmcv-2.1.0.tar.gz``, sha256 pinned below): the CUDA launchers and kernels of
+  MultiScaleDeformableAttention (forward, backward) and of hard / dynamic voxelization, and the
+  headers they include; mmcv's LICENSE (Apache-2.0) and LICENSES.md.
+- Sparse4D (github HorizonRobotics/Sparse4D, commit pinned below): ``deformable_aggregation_cuda.cu``
+  (forward and backward launchers and kernels) and the repository's LICENSE (MIT).
+
+Upstream's own binding files (mmcv's pybind.cpp / cudabind.cpp, Sparse4D's deformable_aggregation.cpp)
+are not carried: ``build_baselines.py`` links the launchers with bindings of our own
+(``benchmarks/gpu/bindings/``). Next to the files: ``manifest.json`` (each file's origin, sha256 and
+size; ``build_baselines.py`` checks them before building) and a PROVENANCE.txt per source.
+
+    python benchmarks/gpu/carry.py --sparse4d-git /work/.mirror/HorizonRobotics+Sparse4D/repo \\
+        [--sdist mmcv-2.1.0.tar.gz | --pip-python /work/mmvenv/bin/python] [--out benchmarks/gpu/carry]
+
+Without ``--sdist`` the sdist is fetched with ``pip download mmcv==2.1.0 --no-deps --no-binary :all:
+--no-build-isolation``: pip prepares an sdist's metadata even to download it, and mmcv 2.1.0's setup.py
+imports torch and pkg_resources, so the interpreter given by ``--pip-python`` needs both (torch and
+setuptools < 81; the OpenMMLab venv has them). ``--sparse4d-git`` is a git directory holding the pinned
+commit (a bare mirror is enough: files are read with ``git show <commit>:<path>``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "carry"
+MANIFEST = "manifest.json"
+# The carry must stay far below the device tool's 64 MiB for the whole working tree.
+MAX_CARRY_BYTES = 1 << 20
+
+MMCV_VERSION = "2.1.0"
+MMCV_SDIST = f"mmcv-{MMCV_VERSION}.tar.gz"
+# files.pythonhosted.org's mmcv-2.1.0.tar.gz (471,435 bytes), as downloaded for this kit.
+MMCV_SDIST_SHA256 = "d387bcab66b467479b6660310e23746cfc79c6e57acf04094680adb499a5cd3f"
+_CSRC = "mmcv/ops/csrc"
+# Paths inside the sdist's top folder; kept as they are under carry/mmcv/ (the include layout).
+MMCV_FILES = (
+    f"{_CSRC}/pytorch/cuda/ms_deform_attn_cuda.cu",
+    f"{_CSRC}/pytorch/cuda/voxelization_cuda.cu",
+    f"{_CSRC}/common/cuda/ms_deform_attn_cuda_kernel.cuh",
+    f"{_CSRC}/common/cuda/voxelization_cuda_kernel.cuh",
+    f"{_CSRC}/common/cuda/common_cuda_helper.hpp",
+    f"{_CSRC}/common/pytorch_cuda_helper.hpp",
+    "LICENSE",
+    "LICENSES.md",
+)
+# Where mmcv's build looks for quoted includes (its setup.py: csrc/common and csrc/common/cuda).
+MMCV_INCLUDE_DIRS = (f"{_CSRC}/common", f"{_CSRC}/common/cuda")
+# Quoted includes that are referenced but not needed: only under MMCV_USE_PARROTS (the Parrots framework).
+MMCV_UNNEEDED_INCLUDES = {"parrots_cuda_helper.hpp": "only under #ifdef MMCV_USE_PARROTS"}
+
+SPARSE4D_REPO = "HorizonRobotics/Sparse4D"
+SPARSE4D_COMMIT = "c41df4bbf7bc82490f11ff55173abfcb3fb91425"
+SPARSE4D_FILES = ("projects/mmdet3d_plugin/ops/src/deformable_aggregation_cuda.cu", "LICENSE")
+
+
+@dataclass(frozen=True)
+class Source:
+    """One upstream: where its files come from and where they go under the carry folder."""
+
+    name: str  # the folder under carry/
+    repo: str
+    version: str  # a release or a commit
+    origin: str  # how the files were obtained
+    license: str
+    files: tuple[str, ...]
+    include_dirs: tuple[str, ...]
+    unneeded_includes: dict[str, str]
+
+
+MMCV = Source("mmcv", "open-mmlab/mmcv", MMCV_VERSION, f"PyPI sdist {MMCV_SDIST} sha256 {MMCV_SDIST_SHA256}",
+              "Apache-2.0 (LICENSE; LICENSES.md names no other licence for these files)", MMCV_FILES,
+              MMCV_INCLUDE_DIRS, MMCV_UNNEEDED_INCLUDES)
+SPARSE4D = Source("sparse4d", SPARSE4D_REPO, SPARSE4D_COMMIT,
+                  f"git commit {SPARSE4D_COMMIT} of github.com/{SPARSE4D_REPO}", "MIT (LICENSE)", SPARSE4D_FILES,
+                  (), {})
+SOURCES = (MMCV, SPARSE4D)
+
+_QUOTED_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def unresolved_includes(files: dict[str, bytes], include_dirs: tuple[str, ...],
+                        unneeded: dict[str, str]) -> list[str]:
+    """'<file>: "<include>"' for each quoted include of a carried file that no carried file satisfies.
+
+    An include resolves next to the including file first, then in ``include_dirs`` (the compiler's
+    order for quoted includes); the ``unneeded`` ones (under a macro the build never sets) are allowed.
+    """
+    missing = []
+    for path, data in files.items():
+        for inc in _QUOTED_INCLUDE.findall(data.decode("utf-8", "replace")):
+            here = str(Path(path).parent / inc)
+            if here in files or any(f"{d}/{inc}" in files for d in include_dirs) or inc in unneeded:
+                continue
+            missing.append(f'{path}: "{inc}"')
+    return missing
+
+
+def download_sdist(pip_python: str, dest: Path) -> Path:
+    """mmcv's sdist via pip (see the module docstring for why --no-build-isolation)."""
+    cmd = [pip_python, "-m", "pip", "download", f"mmcv=={MMCV_VERSION}", "--no-deps", "--no-binary", ":all:",
+           "--no-build-isolation", "-d", str(dest)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    path = dest / MMCV_SDIST
+    if proc.returncode or not path.is_file():
+        raise SystemExit(f"pip download failed ({' '.join(cmd)}):\n{(proc.stdout + proc.stderr)[-2000:]}\n"
+                         "mmcv 2.1.0's setup.py needs torch and pkg_resources (setuptools < 81) in --pip-python's "
+                         "environment, or pass --sdist PATH to an already downloaded mmcv-2.1.0.tar.gz")
+    return path
+
+
+def read_mmcv(sdist: Path) -> dict[str, bytes]:
+    """MMCV.files out of the sdist (named members only: nothing else is extracted)."""
+    data = sdist.read_bytes()
+    if sha256(data) != MMCV_SDIST_SHA256:
+        raise SystemExit(f"{sdist}: sha256 {sha256(data)} is not mmcv {MMCV_VERSION}'s sdist ({MMCV_SDIST_SHA256})")
+    top = f"mmcv-{MMCV_VERSION}"
+    out = {}
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        for rel in MMCV.files:
+            member = tar.extractfile(f"{top}/{rel}")
+            if member is None:
+                raise SystemExit(f"{sdist}: {top}/{rel} is not a file")
+            out[rel] = member.read()
+    return out
+
+
+def read_sparse4d(git_dir: Path, commit: str) -> dict[str, bytes]:
+    """SPARSE4D.files at ``commit`` of the git directory ``git_dir``."""
+    out = {}
+    for rel in SPARSE4D.files:
+        proc = subprocess.run(["git", "--git-dir", str(git_dir), "show", f"{commit}:{rel}"], capture_output=True)
+        if proc.returncode:
+            raise SystemExit(f"git show {commit}:{rel} in {git_dir} failed: {proc.stderr.decode()[-500:]}"
+                             f"(fetch github:{SPARSE4D_REPO} and pass its git directory to --sparse4d-git)")
+        out[rel] = proc.stdout
+    return out
+
+
+def provenance_text(src: Source, files: dict[str, bytes]) -> str:
+    lines = [f"Upstream: {src.repo} {src.version}", f"Obtained: {src.origin}", f"License: {src.license}",
+             "Carried as data for benchmarks/gpu/build_baselines.py (the GPU kit's baselines); not part of loongkit,",
+             "never committed. Files (path in the upstream tree, sha256, bytes):"]
+    lines += [f"  {rel}  {sha256(data)}  {len(data)}" for rel, data in files.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_carry(out: Path, gathered: dict[str, dict[str, bytes]]) -> dict[str, object]:
+    """Replace ``out`` with the gathered files ({source name: {path: bytes}}), their PROVENANCE.txt and the
+    manifest; returns the manifest."""
+    by_name = {src.name: src for src in SOURCES}
+    for name, files in gathered.items():
+        src = by_name[name]
+        missing = unresolved_includes(files, src.include_dirs, src.unneeded_includes)
+        if missing:
+            raise SystemExit(f"{src.name}: includes not carried: {'; '.join(missing)}")
+    if out.exists():
+        shutil.rmtree(out)  # a previous carry (and its build) is derived from other sources
+    manifest: dict[str, object] = {"format": 1, "sources": {}}
+    total = 0
+    for name, files in gathered.items():
+        src = by_name[name]
+        entry = {"repo": src.repo, "version": src.version, "origin": src.origin, "license": src.license,
+                 "include_dirs": list(src.include_dirs), "files": {}}
+        for rel, data in files.items():
+            path = out / src.name / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            entry["files"][rel] = {"sha256": sha256(data), "bytes": len(data)}  # type: ignore[index]
+            total += len(data)
+        text = provenance_text(src, files).encode()
+        (out / src.name / "PROVENANCE.txt").write_bytes(text)
+        total += len(text)
+        manifest["sources"][src.name] = entry  # type: ignore[index]
+    manifest["total_bytes"] = total
+    if total > MAX_CARRY_BYTES:
+        raise SystemExit(f"the carry is {total} bytes, over its bound of {MAX_CARRY_BYTES}")
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def carry_bytes(out: Path) -> int:
+    """Bytes of every file under the carry folder (what the device tool sends), the build excluded."""
+    return sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and "build" not in p.relative_to(out).parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sparse4d-git", type=Path, required=True,
+                        help=f"a git directory holding {SPARSE4D_REPO} (the fetch tool's bare mirror will do)")
+    parser.add_argument("--sparse4d-commit", default=SPARSE4D_COMMIT,
+                        help="the commit to take (default: the pinned one the bindings were written against)")
+    parser.add_argument("--sdist", type=Path, help=f"an already downloaded {MMCV_SDIST}")
+    parser.add_argument("--pip-python", default=sys.executable,
+                        help="the interpreter whose pip downloads the sdist (needs torch and setuptools < 81)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sdist = args.sdist or download_sdist(args.pip_python, Path(tmp))
+        gathered = {MMCV.name: read_mmcv(sdist),
+                    SPARSE4D.name: read_sparse4d(args.sparse4d_git, args.sparse4d_commit)}
+    write_carry(args.out, gathered)
+    size = carry_bytes(args.out)
+    for src in SOURCES:
+        files = gathered[src.name]
+        print(f"carried {src.name}: {src.repo} {src.version}, {len(files)} files, "
+              f"{sum(len(d) for d in files.values())} bytes")
+    print(f"carry folder {args.out}: {size} bytes ({size / 1024:.1f} KiB) with manifest and provenance; on the device "
+          "tool name it in carry: [\"benchmarks/gpu/carry\"]")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
