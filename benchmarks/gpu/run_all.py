@@ -165,9 +165,7 @@ def case_msda(quick: bool) -> bool:
     from loongkit_ops.kernels.ops import msda
 
     dev = DEV
-    backend, why = msda.backend(torch.empty(1, device=dev))
-    if backend != "triton":
-        print(f"SKIP gpu_msda: the Triton kernel is not used here ({why})", flush=True)
+    if not triton_used("msda", msda.backend(torch.empty(1, device=dev))):
         return True
     ok = check("msda")
 
@@ -309,7 +307,7 @@ def case_daf(quick: bool) -> bool:
     upstream, why = sparse4d_daf()
     if upstream is not None:  # Sparse4D's own CUDA op (inside-only sampling, as ours with True)
         label, suffix = why, "vs_sparse4d_cuda"
-        base = fwd_bwd(upstream, [feat, loc, w], grad)
+        base = fwd_bwd(lambda f, lc, ww: upstream(f, shapes, starts, lc, ww), [feat, loc, w], grad)
     else:
         label, suffix = f"torch reference daf.reference (Sparse4D's CUDA op unusable: {why})", "vs_torch_ref"
         base = fwd_bwd(lambda f, lc, ww: daf.reference(f, shapes, starts, lc, ww, True), [feat, loc, w], grad)

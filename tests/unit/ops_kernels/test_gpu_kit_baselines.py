@@ -356,3 +356,51 @@ def test_build_baselines_plan_cli_prints_the_commands(capsys: pytest.CaptureFixt
     assert len(out) == len(bb.plan(toolchain(), "90", tmp_path, tmp_path / "build"))
     assert all("arch=compute_90,code=sm_90" in line for line in out if "compile" in line and ".cu " in line)
     assert os.path.basename(out[-1].split("] ")[1].split()[0]) == "c++"
+
+
+def test_kit_cases_call_the_upstream_ops_with_their_arguments(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """case_msda / case_daf / case_voxelize with an upstream op present: each calls it with the op's own
+    arguments (a wrong order would not run or would differ) and names the baseline in the BENCH line.
+
+    On the CPU, without the interpreter: the upstream ops are the glue above on torch fakes, ours the
+    reference (forced), the CHECK lines left to the dry run."""
+    from loongkit_ops.kernels.ops import daf, msda, voxelize
+
+    for mod in (daf, msda, voxelize):
+        monkeypatch.setattr(mod, "backend", lambda t: ("reference", "forced by the test"))
+    monkeypatch.setattr(run_all, "DEV", torch.device("cpu"))
+    monkeypatch.setattr(run_all, "DRY", True)
+    monkeypatch.setattr(run_all, "check", lambda case: True)
+    monkeypatch.setattr(run_all, "triton_used", lambda name, backend: True)
+
+    class FakeMmcv:
+        def ms_deform_attn_forward(self, v: Any, s: Any, st: Any, lc: Any, a: Any, step: int) -> Any:
+            return msda.reference(v, s, st, lc, a)
+
+        def ms_deform_attn_backward(self, v: Any, s: Any, st: Any, lc: Any, a: Any, grad: Any, step: int) -> Any:
+            _, vjp = torch.func.vjp(lambda vv, ll, aa: msda.reference(vv, s, st, ll, aa), v, lc, a)
+            return vjp(grad)
+
+        def hard_voxelize(self, p: Any, size: list[float], rng: list[float], mp: int, mv: int) -> Any:
+            return list(voxelize.hard_reference(p, size, rng, mp, mv))
+
+        def dynamic_voxelize(self, p: Any, size: list[float], rng: list[float]) -> Any:
+            return voxelize.dynamic_reference(p, size, rng)
+
+    fakes = {"mmcv": FakeMmcv(), "sparse4d": FakeSparse4D()}
+    monkeypatch.setattr(bb, "load", lambda name, carry_dir=None: (fakes[name], ""))
+    monkeypatch.setattr(run_all, "mmcv_msda", lambda: (bb.mmcv_msda()[0], "carried mmcv (fake)"))
+    monkeypatch.setattr(run_all, "sparse4d_daf", lambda: (bb.sparse4d_daf()[0], "carried Sparse4D (fake)"))
+    pair = bb.mmcv_voxelize()[0]
+    assert pair is not None
+    fake_vox = (*pair, "carried mmcv voxelize (fake)", "vs_mmcv_cuda")
+    monkeypatch.setattr(run_all, "mmcv_voxelize", lambda points: fake_vox)
+
+    assert run_all.case_msda(True) and run_all.case_daf(True) and run_all.case_voxelize(True)
+    out = capsys.readouterr().out
+    for name in ("gpu_msda_fwd_bwd_vs_mmcv_cuda", "gpu_daf_fwd_bwd_vs_sparse4d_cuda", "gpu_hard_voxelize_vs_mmcv_cuda"):
+        assert f"BENCH {name} baseline=" in out, out
+    assert "msda baseline = carried mmcv (fake); max |difference| of the forward = 0.00e+00" in out, out
+    assert "daf baseline = carried Sparse4D (fake); max |difference| of the forward = 0.00e+00" in out, out
+    assert "identical output: True; dynamic identical to mmcv's dynamic_voxelize: True" in out, out
