@@ -395,15 +395,15 @@ def _build(carry_dir: Path, jobs: int, time_limit: float, arch: str | None, extr
     if todo:
         need = makespan(todo, jobs) * estimate_scale
         if need > time_limit:
-            reason = (f"skipped: the build needs ~{need:.0f} s on {jobs} jobs (compile times measured for these units "
+            reason = (f"skipped: the build needs ~{need:.0f} s with -j{jobs} (compile times measured for these units "
                       f"x {estimate_scale:g}), {time_limit:.0f} s allowed")
             return {**{b.name: Outcome(False, reason) for b in BASELINES}, **outcomes}
         if tc.thc_shim:
             shim = build_dir / "shim" / "THC" / "THCAtomics.cuh"
             shim.parent.mkdir(parents=True, exist_ok=True)
             shim.write_text(THC_SHIM)
-        log(f"building the baselines for sm_{arch}: {len([s for s in todo if s.kind == 'compile'])} units on "
-            f"{jobs} jobs (estimate ~{need:.0f} s, limit {time_limit:.0f} s; {tc.nvcc}, {tc.cxx}, -std={tc.cxx_std})")
+        log(f"building the baselines for sm_{arch}: {len([s for s in todo if s.kind == 'compile'])} units with "
+            f"-j{jobs} (estimate ~{need:.0f} s, limit {time_limit:.0f} s; {tc.nvcc}, {tc.cxx}, -std={tc.cxx_std})")
         built_start = time.perf_counter()
         built = run_steps(todo, jobs, start + time_limit)
         for name, out in built.items():
