@@ -132,7 +132,9 @@ def main(session: nox.Session) -> None:
         env["CUDA_VISIBLE_DEVICES"] = ""
     out = ROOT / "main-out"
     out.mkdir(exist_ok=True)
-    checks = (["--tolerance", str(BEV_TOLERANCE), "--first-tolerance", str(BEV_FIRST_TOLERANCE)]
+    # Two alternating pairs for the BEV job: on a shared machine one pair's ratio moved 0.92-1.23x between
+    # runs (README); a later --repeat in the posargs wins (argparse keeps the last).
+    checks = (["--tolerance", str(BEV_TOLERANCE), "--first-tolerance", str(BEV_FIRST_TOLERANCE), "--repeat", "2"]
               if example == "bev" else [])
     session.run("loongkit", "compare", "--json", str(out / "compare.json"), "--png", str(out / "compare.png"),
                 *checks, *args, "--", "python", *[str(ROOT / part) for part in EXAMPLES[example]], env=env)
@@ -184,7 +186,8 @@ def _plugin_session(plugin: Path) -> None:
     tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "unit").glob(f"{name}*")
                    if p.is_dir() and (p.name == name or p.name.startswith(f"{name}_")))
 
-    @nox.session(name=f"plugin-{name}", tags=["plugins"])
+    # In CI ("test"): ~11 min for the five on 2 cores (ops 5.6, data 1.7, numa 1.2, monitor 1.1, precision 0.9).
+    @nox.session(name=f"plugin-{name}", tags=["plugins", "test"])
     def run(session: nox.Session) -> None:
         session.install("-U", "pip", "wheel", "setuptools<81")
         session.install(TORCH)
