@@ -1,22 +1,33 @@
-"""Allocation-heavy data-pipeline calls in a DataLoader worker: glibc defaults vs LOONGKIT_PYTORCH tuning.
+"""Allocation-heavy data-pipeline calls in a DataLoader worker: glibc defaults vs LOONGKIT_PYTORCH tuning,
+and vs jemalloc / tcmalloc preloaded.
 
 Each case runs in a forked DataLoader worker (num_workers=1), one call per dataset item, the way a
 training pipeline runs them. The script starts itself under the loongkit prelude for each case, with
 LOONGKIT_PYTORCH=0 (baseline: glibc defaults) and =1 (ours: the worker gets the mallopt tuning at
-start and its heap bound after each batch), alternating, in the same run. Upstream calls (mmcv
+start and its heap bound after each batch), then, for each installed allocator library, preloaded the
+way ``LOONGKIT_MALLOC=1 LOONGKIT_MALLOC_ALLOCATOR=<kind>`` under ``loongkit-run`` preloads it for a job
+(the plugin's own library lookup and variables: ``LD_PRELOAD``, and jemalloc's ``MALLOC_CONF`` as
+torch's run_cpu sets it), with LOONGKIT_PYTORCH=1 and LOONGKIT_MALLOC=1; all alternating per case, in
+the same run. Upstream calls (mmcv
 imnormalize, mmdet PhotoMetricDistortion, mmcv Voxelization, mmseg DiceLoss, mmcv
 multi_scale_deformable_attn_pytorch) are used when importable
 (the mm stack venv); otherwise pure-torch/numpy equivalents with the same large temporaries, and
 the script says which.
 
-    python benchmarks/allocator.py [--quick]
+    python benchmarks/allocator.py [--quick] [--cases a,b] [--variants ours,jemalloc,tcmalloc]
+
+``--quick``: 5 calls per case and only the goal's cases, imnormalize and Voxelization (Voxelization has
+the tuned worker's largest peak RSS), to stay under a minute with four variants (each child imports
+torch and the case's mm package: 4-8 s here); the full run does 20 calls of all five cases.
 
 Prints ``BENCH <case> baseline=<s> ours=<s> ratio=<baseline/ours>`` per case (median seconds per
 call, wall and, as ``<case>_cpu``, the worker's CPU time, which a loaded machine distorts far less),
 minor faults per call and the worker's peak RSS (``BENCH allocator_<case>_rss`` and, the largest of them,
 ``BENCH allocator_peak_rss baseline=<bytes> ours=<bytes> ...``), and how often the worker's heap bound
-(loongkit_data.allocator.HeapBound) trimmed. Goals (issue 18): imnormalize and Voxelization >= 3x,
-peak RSS at most 1.25x the default's.
+(loongkit_data.allocator.HeapBound) trimmed. The allocator variants print the same lines with their
+name after the case's, ``ours`` being the preloaded library: ``BENCH allocator_voxelization_jemalloc``,
+``..._jemalloc_cpu``, ``..._jemalloc_rss``, ``BENCH allocator_peak_rss_jemalloc``. Goals (issue 18):
+imnormalize and Voxelization >= 3x, peak RSS at most 1.25x the default's; a goal line per variant.
 """
 
 from __future__ import annotations
@@ -32,6 +43,9 @@ from collections.abc import Callable
 from typing import Any
 
 CASES = ("imnormalize", "photometric_distortion", "voxelization", "dice_loss", "msda_pytorch")
+QUICK_CASES = ("imnormalize", "voxelization")  # the goal's cases
+ALLOCATORS = ("jemalloc", "tcmalloc")
+VARIANTS = ("ours", *ALLOCATORS)  # each compared with the baseline (glibc defaults, LOONGKIT_PYTORCH=0)
 
 
 # -- the calls (built inside the worker's process) ---------------------------------------------------
@@ -151,18 +165,28 @@ class Calls:
         self.fn()
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        bound = _bound()
+        state = _worker_state()
+        bound = state.get("heap_bound")
         return {"seconds": seconds, "cpu": cpu, "faults": usage.ru_minflt - before, "maxrss": usage.ru_maxrss * 1024,
-                "source": self.source, "bound": bound.to_json() if bound is not None else None}
+                "source": self.source, "bound": bound.to_json() if bound is not None else None,
+                "allocator": _loaded_allocator(), "malloc": state.get("malloc"), "jemalloc": state.get("jemalloc")}
 
 
-def _bound() -> Any:
-    """The worker's HeapBound (LOONGKIT_PYTORCH=1), as of the batches before this one; None untuned."""
+def _worker_state() -> dict[str, Any]:
+    """What LOONGKIT_PYTORCH's worker callback did in this worker (its HeapBound, as of the batches
+    before this one, and its malloc result); empty without the feature."""
     try:
         from loongkit_data.pytorch_memory import worker_state
     except ImportError:
-        return None
-    return worker_state.get("heap_bound")
+        return {}
+    return worker_state
+
+
+def _loaded_allocator() -> str:
+    """The malloc this worker runs on: jemalloc / tcmalloc when loaded, else glibc."""
+    from loongkit_data import allocator
+
+    return allocator.preloaded_allocator() or "glibc"
 
 
 def child(n: int, cases: list[str]) -> None:
@@ -177,72 +201,122 @@ def child(n: int, cases: list[str]) -> None:
         results[case] = {"seconds": times[len(times) // 2], "cpu": cpus[len(cpus) // 2],
                          "faults": sum(i["faults"] for i in items) / len(items),
                          "maxrss": max(i["maxrss"] for i in items), "source": items[0]["source"],
-                         "bound": items[-1]["bound"]}
+                         "bound": items[-1]["bound"], "allocator": items[-1]["allocator"],
+                         "malloc": items[-1]["malloc"], "jemalloc": items[-1]["jemalloc"]}
     print("RESULT " + json.dumps(results))
 
 
-def run(variant: str, n: int, cases: list[str]) -> dict[str, Any]:
+def variant_environ(variant: str, environ: dict[str, str], library: str | None = None) -> dict[str, str]:
+    """The child's environment: the prelude on PYTHONPATH, no LOONGKIT_* of the caller's, the variant's
+    switches; an allocator variant gets ``library`` preloaded with the variables LOONGKIT_MALLOC's
+    launcher hook exports for it (``allocator.preload_environ``)."""
     from loongkit_core.prelude import PATH
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LOONGKIT_")}
+    env = {k: v for k, v in environ.items() if not k.startswith("LOONGKIT_")}
     env["PYTHONPATH"] = os.pathsep.join([PATH, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
-    env["LOONGKIT_PYTORCH"] = "1" if variant == "ours" else "0"
+    env["LOONGKIT_PYTORCH"] = "0" if variant == "baseline" else "1"
     env["LOONGKIT_LOGDIR"] = "stderr"
+    if variant in ALLOCATORS:
+        from loongkit_data import allocator
+
+        assert library is not None
+        env.update(allocator.preload_environ(library, variant, env))
+        env.update(LOONGKIT_MALLOC="1", LOONGKIT_MALLOC_ALLOCATOR=variant)
+    return env
+
+
+def run(variant: str, n: int, cases: list[str], library: str | None = None) -> dict[str, Any]:
+    env = variant_environ(variant, dict(os.environ), library)
     proc = subprocess.run([sys.executable, __file__, "--child", "--n", str(n), "--cases", ",".join(cases)],
                           env=env, capture_output=True, text=True, check=True)
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    results: dict[str, Any] = json.loads(line[len("RESULT "):])
+    expected = variant if variant in ALLOCATORS else "glibc"
+    for case, result in results.items():  # a variant that did not run on its allocator measures nothing
+        if result["allocator"] != expected:
+            raise SystemExit(f"{case}, {variant}: the worker runs on {result['allocator']}, not {expected}")
+    return results
+
+
+def report(case: str, name: str, b: dict[str, Any], o: dict[str, Any]) -> tuple[float, float]:
+    """Print one variant's lines for one case (``name`` "" for ours); (wall ratio, CPU ratio)."""
+    suffix = f"_{name}" if name else ""
+    bound = o.get("bound") or {}
+    notes = ""
+    if bound:
+        notes = (f"; bound: held {bound['held'] / 2**20:,.0f} MiB after a clean batch "
+                 f"(+{bound['working_set'] / 2**20:,.0f} MiB for the batch), trimmed {bound['trims']} time(s) "
+                 f"in {bound['batches']} batches")
+    if name:
+        malloc = o.get("malloc") or {}
+        notes += f"; worker on {o['allocator']}, glibc tuning: {malloc.get('skipped', malloc) or 'none'}"
+        if o.get("jemalloc"):
+            notes += f"; jemalloc: {o['jemalloc']}"
+    print(f"# {case}{' ' + name if name else ''}: {b['source']}; minor faults per call {b['faults']:,.0f} -> "
+          f"{o['faults']:,.0f}; worker peak RSS {b['maxrss'] / 2**20:,.0f} -> {o['maxrss'] / 2**20:,.0f} MiB{notes}")
+    wall, cpu = b["seconds"] / o["seconds"], b["cpu"] / o["cpu"]
+    print(f"BENCH allocator_{case}{suffix} baseline={b['seconds']:.5f} ours={o['seconds']:.5f} ratio={wall:.2f}")
+    print(f"BENCH allocator_{case}{suffix}_cpu baseline={b['cpu']:.5f} ours={o['cpu']:.5f} ratio={cpu:.2f}")
+    print(f"BENCH allocator_{case}{suffix}_rss baseline={b['maxrss']} ours={o['maxrss']} "
+          f"ratio={b['maxrss'] / o['maxrss']:.2f}")
+    return wall, cpu
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="5 calls per case (< 1 min)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"5 calls per case, cases {','.join(QUICK_CASES)} (< 1 min)")
     parser.add_argument("--n", type=int, default=0)
-    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--cases", default="")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="compared with the baseline, in this order")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     n = args.n or (5 if args.quick else 20)
-    cases = args.cases.split(",")
+    cases = args.cases.split(",") if args.cases else list(QUICK_CASES if args.quick else CASES)
     if args.child:
         child(n, cases)
         return
-    # One child per case and variant, baseline and ours alternating: a shared machine's load drifts over
-    # the run, and a case's two figures should see the same one.
-    base: dict[str, Any] = {}
-    ours: dict[str, Any] = {}
+    from loongkit_data import allocator
+
+    variants: list[str] = []
+    libraries: dict[str, str] = {}
+    for variant in args.variants.split(","):
+        path = allocator.find_library(variant) if variant in ALLOCATORS else None
+        if variant in ALLOCATORS and path is None:
+            print(f"# {variant}: not installed, not measured")
+            continue
+        if path is not None:
+            libraries[variant] = path
+        variants.append(variant)
+    # One child per case and variant, all variants of a case in a row: a shared machine's load drifts over
+    # the run, and a case's figures should see the same one.
+    results: dict[str, dict[str, Any]] = {v: {} for v in ("baseline", *variants)}
     for case in cases:
-        base.update(run("baseline", n, [case]))
-        ours.update(run("ours", n, [case]))
-    ratios: dict[str, float] = {}
-    cpu_ratios: dict[str, float] = {}  # CPU time of the call in the worker: far less noisy on a loaded machine
-    for case in cases:
-        b, o = base[case], ours[case]
-        bound = o.get("bound") or {}
-        trims = ""
-        if bound:
-            trims = (f"; bound: held {bound['held'] / 2**20:,.0f} MiB after a clean batch "
-                     f"(+{bound['working_set'] / 2**20:,.0f} MiB for the batch), trimmed {bound['trims']} time(s) "
-                     f"in {bound['batches']} batches")
-        print(f"# {case}: {b['source']}; minor faults per call {b['faults']:,.0f} -> {o['faults']:,.0f}; "
-              f"worker peak RSS {b['maxrss'] / 2**20:,.0f} -> {o['maxrss'] / 2**20:,.0f} MiB{trims}")
-        ratios[case] = b["seconds"] / o["seconds"]
-        cpu_ratios[case] = b["cpu"] / o["cpu"]
-        print(f"BENCH allocator_{case} baseline={b['seconds']:.5f} ours={o['seconds']:.5f} "
-              f"ratio={ratios[case]:.2f}")
-        print(f"BENCH allocator_{case}_cpu baseline={b['cpu']:.5f} ours={o['cpu']:.5f} "
-              f"ratio={cpu_ratios[case]:.2f}")
-        print(f"BENCH allocator_{case}_rss baseline={b['maxrss']} ours={o['maxrss']} "
-              f"ratio={b['maxrss'] / o['maxrss']:.2f}")
-    peak_b = max(v["maxrss"] for v in base.values())
-    peak_o = max(v["maxrss"] for v in ours.values())
-    print(f"BENCH allocator_peak_rss baseline={peak_b} ours={peak_o} ratio={peak_b / peak_o:.2f}")
-    fast = [c for c in ("imnormalize", "voxelization") if c in ratios]
-    worst = max(ours[c]["maxrss"] / base[c]["maxrss"] for c in cases)
-    for name, r in (("wall", ratios), ("CPU", cpu_ratios)):
-        met = all(r[c] >= 3 for c in fast) and peak_o <= 1.25 * peak_b
-        print(f"# goal (issue 18), {name} time: {', '.join(f'{c} {r[c]:.2f}x' for c in fast)} (>= 3x); peak RSS "
-              f"{peak_o / peak_b:.2f}x the default's (<= 1.25x; the worst case alone {worst:.2f}x): "
-              f"{'met' if met else 'MISSED'}; load average {os.getloadavg()[0]:.1f}")
+        for variant in ("baseline", *variants):
+            results[variant].update(run(variant, n, [case], libraries.get(variant)))
+    base = results["baseline"]
+    for variant in variants:
+        name = "" if variant == "ours" else variant
+        suffix = f"_{name}" if name else ""
+        ours = results[variant]
+        if name:
+            print(f"# {variant}: {libraries[variant]}, "
+                  + ", ".join(f"{k}={v}" for k, v in allocator.preload_environ(libraries[variant], variant, {}).items()
+                              if k != "LD_PRELOAD"))
+        ratios: dict[str, float] = {}
+        cpu_ratios: dict[str, float] = {}  # CPU time of the call in the worker: far less noisy on a loaded machine
+        for case in cases:
+            ratios[case], cpu_ratios[case] = report(case, name, base[case], ours[case])
+        peak_b = max(v["maxrss"] for v in base.values())
+        peak_o = max(v["maxrss"] for v in ours.values())
+        print(f"BENCH allocator_peak_rss{suffix} baseline={peak_b} ours={peak_o} ratio={peak_b / peak_o:.2f}")
+        fast = [c for c in ("imnormalize", "voxelization") if c in ratios]
+        worst = max(ours[c]["maxrss"] / base[c]["maxrss"] for c in cases)
+        for label, r in (("wall", ratios), ("CPU", cpu_ratios)):
+            met = all(r[c] >= 3 for c in fast) and peak_o <= 1.25 * peak_b
+            print(f"# goal (issue 18), {variant}, {label} time: {', '.join(f'{c} {r[c]:.2f}x' for c in fast)} "
+                  f"(>= 3x); peak RSS {peak_o / peak_b:.2f}x the default's (<= 1.25x; the worst case alone "
+                  f"{worst:.2f}x): {'met' if met else 'MISSED'}; load average {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import os
 import resource
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 # <malloc.h> parameter numbers (identical in every glibc since 2.x).
 M_TRIM_THRESHOLD = -1
@@ -154,6 +155,84 @@ def preloaded_allocator(environ: Mapping[str, str] | None = None) -> str | None:
         if f"lib{kind}" in maps:
             return kind
     return None
+
+
+def _mallctl() -> Any | None:
+    """jemalloc's ``mallctl`` when jemalloc is this process's malloc (in the global symbol scope), else None."""
+    if preloaded_allocator() != "jemalloc":
+        return None
+    try:
+        fn = ctypes.CDLL(None).mallctl
+    except (OSError, AttributeError):  # a private (RTLD_LOCAL or prefixed) copy is not the process's malloc
+        return None
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _ctl_read(fn: Any, name: str, ctype: Any = ctypes.c_size_t) -> int | None:
+    value = ctype()
+    size = ctypes.c_size_t(ctypes.sizeof(value))
+    if fn(name.encode(), ctypes.byref(value), ctypes.byref(size), None, 0) != 0:
+        return None
+    return int(value.value)
+
+
+def _oversize_target(fn: Any) -> int | None:
+    """The oversize threshold jemalloc's options ask for: ``opt.oversize_threshold``, or, where that is
+    disabled (0: a value outside the large size classes, such as run_cpu's 1), what jemalloc itself uses
+    then (the largest large size class plus a page: no extent is oversize)."""
+    opt = _ctl_read(fn, "opt.oversize_threshold")
+    if opt is None or opt > 0:
+        return opt
+    count = _ctl_read(fn, "arenas.nlextents", ctypes.c_uint)
+    page = _ctl_read(fn, "arenas.page")
+    largest = _ctl_read(fn, f"arenas.lextent.{count - 1}.size") if count else None
+    return None if largest is None or page is None else largest + page
+
+
+def jemalloc_arena0_threshold() -> tuple[int, int] | None:
+    """(arena 0's oversize threshold, the one jemalloc's options ask for) in bytes; None off jemalloc."""
+    try:
+        fn = _mallctl()
+        if fn is None:
+            return None
+        current, target = _ctl_read(fn, "arena.0.oversize_threshold"), _oversize_target(fn)
+        return None if current is None or target is None else (current, target)
+    except Exception:
+        return None
+
+
+def set_jemalloc_arena0_threshold(value: int) -> bool:
+    """Write ``arena.0.oversize_threshold``; False where that is not possible. Never raises."""
+    try:
+        fn = _mallctl()
+        new = ctypes.c_size_t(value)
+        return fn is not None and fn(b"arena.0.oversize_threshold", None, None, ctypes.byref(new),
+                                     ctypes.sizeof(new)) == 0
+    except Exception:
+        return False
+
+
+def align_jemalloc_arena0() -> tuple[int, int] | None:
+    """Make jemalloc's arena 0 use the oversize threshold its options set; (before, after) when changed.
+
+    Why: jemalloc 5.3.0 (Debian 12, Ubuntu 22.04/24.04) creates arena 0, the main thread's, before it
+    reads ``oversize_threshold``, so arena 0 keeps the 8 MiB default whatever ``MALLOC_CONF`` says
+    (jemalloc issue #2809, fixed after 5.3.0). Every extent of 8 MiB or more freed there is purged at
+    once (unless a decay time is -1): with run_cpu's ``oversize_threshold:1`` (huge arena disabled) a
+    worker faulted in a 168 MiB Voxelization table on every call (85k faults) as with glibc's defaults.
+    Aligned, such extents follow ``dirty_decay_ms`` (10 s) like every other arena's: 0 faults, the same
+    peak RSS (docs/benchmarks.md). None: not jemalloc, already aligned, or not writable."""
+    found = jemalloc_arena0_threshold()
+    if found is None or found[0] == found[1] or not set_jemalloc_arena0_threshold(found[1]):
+        return None
+    return found
+
+
+def describe_oversize(value: int) -> str:
+    """``8MiB``; ``off`` for a threshold above every size class (what a disabled option means)."""
+    return "off" if value > 1 << 48 else _human(value)
 
 
 def find_library(kind: str, search: tuple[str, ...] = LIBRARY_DIRS) -> str | None:

@@ -5,7 +5,9 @@
 * ``glibc`` (default): mallopt tuning (:data:`loongkit_data.allocator.GLIBC_TUNING`) at boot.
   It trades resident memory (bounded by the trim threshold) for fewer page faults.
 * ``jemalloc`` / ``tcmalloc``: an allocator library can only replace malloc when it is loaded
-  before the process starts. When it is already preloaded (``LD_PRELOAD``), nothing else is done.
+  before the process starts. When it is already preloaded (``LD_PRELOAD``), glibc is left alone; on
+  jemalloc, arena 0 gets the oversize threshold its options set (jemalloc 5.3.0 keeps 8 MiB there, so
+  every large temporary of the main thread faulted in again: :func:`allocator.align_jemalloc_arena0`).
   Otherwise, if installed (Debian: libjemalloc2 / libtcmalloc-minimal4), ``LD_PRELOAD`` (and
   jemalloc's ``MALLOC_CONF``, as ``python -m torch.backends.xeon.run_cpu`` sets it) is exported for
   the child processes this one starts (spawned DataLoader workers, subprocesses), and this process
@@ -15,6 +17,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -124,13 +127,22 @@ class Malloc(FeatureImpl):
             return
         preloaded = allocator.preloaded_allocator(ctx.env.environ)
         if preloaded is not None:
-            ctx.set_config({"allocator": preloaded, "preloaded": True, "requested": wanted})
+            config: dict[str, object] = {"allocator": preloaded, "preloaded": True, "requested": wanted}
+            changed = allocator.align_jemalloc_arena0() if preloaded == "jemalloc" else None
+            if changed is not None:
+                before, after = (allocator.describe_oversize(v) for v in changed)
+                config["arena0_oversize_threshold"] = f"{before}->{after}"
+                # Undone: arena 0 gets its threshold back (forked children keep what they inherited).
+                ctx.patcher.defer(functools.partial(allocator.set_jemalloc_arena0_threshold, changed[0]))
+                ctx.log.info("jemalloc arena 0 given the oversize_threshold its options set "
+                             "(jemalloc 5.3.0 keeps 8MiB there)", before=before, after=after)
+            ctx.set_config(config)
             if preloaded != wanted:
                 ctx.log.warning("another allocator is preloaded; kept", preloaded=preloaded, requested=wanted)
             ctx.log.info("allocator library preloaded in this process", allocator=preloaded)
             ctx.count()
             return
-        config: dict[str, object] = {"allocator": "glibc"}
+        config = {"allocator": "glibc"}
         if wanted != "glibc":
             path = allocator.find_library(wanted)
             if path is None:

@@ -11,7 +11,9 @@
   large temporaries stay in the heap for the next batch instead of page-faulting in again. What it
   keeps is bounded by :class:`loongkit_data.allocator.HeapBound`, checked after each batch: about what
   one of its batches needs, measured (a heap that grows instead is trimmed). Workers report their
-  bound to the main process's Summary through the job's activity directory.
+  bound to the main process's Summary through the job's activity directory. A worker on a preloaded
+  jemalloc/tcmalloc keeps that allocator (no mallopt, no bound); on jemalloc its arena 0 gets the
+  oversize threshold jemalloc's options set (:func:`loongkit_data.allocator.align_jemalloc_arena0`).
 * RLIMIT_NOFILE's soft limit is raised to the hard limit: shared-memory tensors travel as fds.
 """
 
@@ -35,6 +37,14 @@ MIN_RECORDS = 1000  # below this a list costs a worker little; not worth a pickl
 SAMPLE = 32  # records checked for being dicts/tuples (spread over the list)
 MAX_DEPTH = 4  # wrapper datasets followed (Subset, ConcatDataset, RepeatDataset...)
 
+# The configuration's note when workers run on a preloaded jemalloc (allocator.align_jemalloc_arena0).
+JEMALLOC_WORKERS = "workers on jemalloc: arena 0 gets the oversize_threshold its options set (5.3.0 keeps 8MiB there)"
+# Workers that end this share of their batches in a trim lose most of the glibc tuning's gain: the Summary
+# then names jemalloc, with what benchmarks/allocator.py measured (docs/benchmarks.md, allocator section).
+TRIM_ADVICE_SHARE = 0.1
+JEMALLOC_EVIDENCE = ("jemalloc reuses them without growing (benchmarks/allocator.py, mmcv Voxelization in a worker: "
+                     "glibc tuned 74.7k faults per call, 9 trims in 20 batches, 1.50x the default's peak RSS; "
+                     "jemalloc 1 fault per call, 1.01x)")
 # What the last worker-start callback applied in this process (tests and the worker's own log).
 worker_state: dict[str, Any] = {}
 
@@ -97,6 +107,8 @@ class PytorchMemory(FeatureImpl):
                        if reason is None else f"skipped: {reason}",
                        "serialize": f"fork workers, lists of >= {MIN_RECORDS} dicts/tuples"}
         if reason is not None:
+            if allocator.preloaded_allocator() == "jemalloc":
+                self.config["worker_malloc"] += f"; {JEMALLOC_WORKERS}"
             ctx.log.info("worker malloc tuning skipped", reason=reason)
         # A worker callback cannot be unregistered: this activation's one runs while its switch is
         # on, which ctx.patcher.assign turns on and the default deactivate off again.
@@ -265,12 +277,28 @@ class PytorchMemory(FeatureImpl):
                 self.ctx.log.info("worker malloc tuning skipped", worker=worker_id, reason=result.skipped)
             else:
                 self.ctx.log.debug("worker malloc tuned", worker=worker_id, **result.to_config())
-        if not result.skipped:
+        if result.skipped:
+            self._worker_jemalloc(worker_id)
+        else:
             try:
                 self._bound_batches(worker_id)
             except Exception as exc:  # the tuning stays; only its bound is missing (logged)
                 if self.ctx is not None:
                     self.ctx.log.warning("worker heap bound not installed", worker=worker_id, error=repr(exc))
+
+    def _worker_jemalloc(self, worker_id: int) -> None:
+        """In a worker on jemalloc: its arena 0 gets the oversize threshold jemalloc's options set
+        (:func:`~loongkit_data.allocator.align_jemalloc_arena0`); no glibc tuning, no heap bound (jemalloc
+        returns freed memory by its own decay)."""
+        found = allocator.jemalloc_arena0_threshold()
+        if found is None:
+            return
+        changed = allocator.align_jemalloc_arena0()
+        after = allocator.describe_oversize(found[1])
+        worker_state["jemalloc"] = (f"arena 0 oversize_threshold {allocator.describe_oversize(found[0])} -> {after}"
+                                    if changed else f"arena 0 oversize_threshold {after} (already)")
+        if self.ctx is not None:
+            self.ctx.log.debug("worker on jemalloc", worker=worker_id, detail=worker_state["jemalloc"])
 
     def _bound_batches(self, worker_id: int) -> None:
         """In this worker: check :class:`~loongkit_data.allocator.HeapBound` after each batch (each fetch
@@ -352,6 +380,12 @@ class PytorchMemory(FeatureImpl):
                          f"after a clean batch ({span('held')} MiB, of which one batch {span('working_set')} MiB) "
                          f"+{allocator.BOUND_SLACK:.0%}; trimmed {sum(b['trims'] for b in bounds):,} time(s) in "
                          f"{sum(b['batches'] for b in bounds):,} batches")
+            trims, batches = sum(b["trims"] for b in bounds), sum(b["batches"] for b in bounds)
+            if trims >= 2 and trims >= TRIM_ADVICE_SHARE * batches:
+                missing = "" if allocator.find_library("jemalloc") else " (install it first: Debian libjemalloc2)"
+                lines.append(f"pytorch: workers trimmed after {trims:,} of {batches:,} batches: each trim faults the "
+                             f"next batch's temporaries in again. {JEMALLOC_EVIDENCE}: start the job with "
+                             f"LOONGKIT_MALLOC=1 LOONGKIT_MALLOC_ALLOCATOR=jemalloc under loongkit-run{missing}")
         if self.serialized:
             total = sum(v["records"] for v in self.serialized.values())
             size = sum(v["bytes"] for v in self.serialized.values()) / 2**20

@@ -293,11 +293,37 @@ def _grow_then_measure(bounded: bool) -> list[int]:
 
 
 def test_heap_bound_keeps_a_fragmenting_worker_near_one_batch() -> None:
-    unbounded, bounded = _grow_then_measure(False), _grow_then_measure(True)
-    # Tuned but unbounded: the heap grows by about a tensor per batch (measured: +32..+64 MiB each).
-    assert unbounded[-1] - unbounded[0] > 3 * 32, unbounded
+    # Tuned but unbounded: the heap grows by about a tensor per batch (measured: +32..+64 MiB each). Where
+    # the small tensors land varies from run to run (not with the hash seed): about 1 run in 8 here stops
+    # growing after its second batch (+64 MiB), so the control gets three tries.
+    runs = []
+    for _ in range(3):
+        runs.append(_grow_then_measure(False))
+        if runs[-1][-1] - runs[-1][0] > 3 * 32:
+            break
+    unbounded, bounded = runs[-1], _grow_then_measure(True)
+    assert unbounded[-1] - unbounded[0] > 3 * 32, runs
     # Bounded: never more than the first (clean) batch's size plus the slack (at least the floor).
     assert max(bounded) <= bounded[0] + allocator.BOUND_FLOOR // MiB, bounded
+
+
+@pytest.mark.parametrize(("trims", "installed", "hint"), [(9, True, True), (9, False, True), (1, True, False)])
+def test_summary_points_to_jemalloc_when_workers_trim_often(monkeypatch: pytest.MonkeyPatch, trims: int,
+                                                            installed: bool, hint: bool) -> None:
+    """Workers that end a tenth of their batches in a trim lose the tuning's gain there (each trim faults
+    the next batch in again): the Summary names jemalloc through LOONGKIT_MALLOC, with the measurement."""
+    impl = pytorch_memory.PytorchMemory(FEATURE)
+    bounds = [{"held": 619 * MiB, "working_set": 463 * MiB, "trims": trims, "batches": 20},
+              {"held": 619 * MiB, "working_set": 463 * MiB, "trims": 0, "batches": 20}]
+    monkeypatch.setattr(impl, "worker_bounds", lambda: bounds)
+    monkeypatch.setattr(allocator, "find_library", lambda kind, *a: "/usr/lib/libjemalloc.so.2" if installed else None)
+    lines = impl.summary_lines()
+    assert lines[0].startswith("pytorch: worker memory bound in force: 2 worker(s)")
+    advice = [line for line in lines if "LOONGKIT_MALLOC=1 LOONGKIT_MALLOC_ALLOCATOR=jemalloc" in line]
+    assert len(advice) == int(hint), lines
+    if hint:
+        assert f"trimmed after {trims} of 40 batches" in advice[0] and "benchmarks/allocator.py" in advice[0]
+        assert ("libjemalloc2" in advice[0]) is not installed
 
 
 def test_nofile_raised_to_hard(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -351,6 +377,46 @@ def test_end_to_end_workers_tuned(run_loongkit: Any, tmp_path: Any, method: str)
     assert "pytorch: worker memory bound in force: 2 worker(s)" in result.stdout
     assert "in 4 batches" in result.stdout
     assert "RLIMIT_NOFILE" in result.logs()
+
+
+JEMALLOC_SCRIPT = r"""
+import json, sys
+from torch.utils.data import DataLoader, Dataset
+from loongkit_data import allocator
+from loongkit_data.malloc import probe_faults
+class DS(Dataset):
+    def __len__(self): return 4
+    def __getitem__(self, i): return [probe_faults(), list(allocator.jemalloc_arena0_threshold() or ())]
+if __name__ == "__main__":
+    items = list(DataLoader(DS(), batch_size=None, num_workers=2, multiprocessing_context=sys.argv[1]))
+    print(json.dumps(items))
+"""
+
+
+@pytest.mark.skipif(allocator.find_library("jemalloc") is None, reason="libjemalloc2 not installed")
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_end_to_end_jemalloc_workers_reuse_large_temporaries(run_loongkit: Any, tmp_path: Any, method: str) -> None:
+    """Workers of a job on jemalloc as LOONGKIT_MALLOC preloads it (run_cpu's MALLOC_CONF): no glibc tuning
+    and no heap bound, and arena 0 gets the oversize threshold the options set (jemalloc 5.3.0 keeps 8 MiB
+    there and purges every larger freed extent at once): each worker reuses its 33 MiB temporary."""
+    import json
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(JEMALLOC_SCRIPT)
+    env = {"LD_PRELOAD": allocator.find_library("jemalloc") or "", "MALLOC_CONF": allocator.JEMALLOC_CONF}
+    on = run_loongkit(argv=[sys.executable, str(script), method], env={**env, "LOONGKIT_PYTORCH": "1"})
+    assert on.returncode == 0, on.stderr
+    items = json.loads(on.stdout.splitlines()[0])
+    assert all(faults < PROBE_PAGES // 10 for faults, _ in items), items
+    assert all(current == target for _, (current, target) in items), items
+    config = on.feature("pytorch")["config"]["worker_malloc"]
+    assert config.startswith("skipped: jemalloc is preloaded") and pytorch_memory.JEMALLOC_WORKERS in config
+    assert "worker memory bound in force" not in on.stdout
+    off = run_loongkit(argv=[sys.executable, str(script), method], env={**env, "LOONGKIT_PYTORCH": "0"})
+    for faults, (current, target) in json.loads(off.stdout.splitlines()[0]):
+        if current != target:  # the control, where this jemalloc has the bug (5.3.0): every page faults
+            assert faults > PROBE_PAGES * 0.9
 
 
 def test_end_to_end_control_spawn_workers_fault_without_the_feature(run_loongkit: Any, tmp_path: Any) -> None:
