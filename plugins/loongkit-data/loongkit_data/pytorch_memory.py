@@ -44,7 +44,7 @@ JEMALLOC_WORKERS = "workers on jemalloc: arena 0 gets the oversize_threshold its
 TRIM_ADVICE_SHARE = 0.1
 JEMALLOC_EVIDENCE = ("jemalloc reuses them without growing (benchmarks/allocator.py, mmcv Voxelization in a worker: "
                      "glibc tuned 74.7k faults per call, 9 trims in 20 batches, 1.50x the default's peak RSS; "
-                     "jemalloc 1 fault per call, 1.01x)")
+                     "jemalloc 1 fault per call, 0.99x)")
 # What the last worker-start callback applied in this process (tests and the worker's own log).
 worker_state: dict[str, Any] = {}
 
