@@ -7,7 +7,7 @@
   (and pages) alone. mmengine's BaseDataset already serializes (``serialize_data``): skipped.
   A list that user code mutates goes back to a real list (logged) and is never converted again.
 * Every worker (fork, spawn, forkserver) gets the glibc malloc tuning of
-  :data:`loongkit_data.allocator.GLIBC_TUNING` at start (skipped with the reason off glibc): a batch's
+  :data:`loongkit_data.allocator.WORKER_TUNING` at start (skipped with the reason off glibc): a batch's
   large temporaries stay in the heap for the next batch instead of page-faulting in again. What it
   keeps is bounded by :class:`loongkit_data.allocator.HeapBound`, checked after each batch: about what
   one of its batches needs, measured (a heap that grows instead is trimmed). Workers report their
@@ -100,7 +100,7 @@ class PytorchMemory(FeatureImpl):
         self.ctx = ctx
         reason = allocator.glibc_reason()
         self.config = {"worker_malloc": {**{k: allocator._human(v) if k != "arena_max" else v
-                                            for k, v in allocator.GLIBC_TUNING.items()},
+                                            for k, v in allocator.WORKER_TUNING.items()},
                                          "bound": f"each worker holds <= its size after a clean batch "
                                                   f"+{allocator.BOUND_SLACK:.0%} of that batch "
                                                   f"(>= {allocator.BOUND_FLOOR // allocator.MiB}MiB), else trimmed"}
@@ -268,7 +268,7 @@ class PytorchMemory(FeatureImpl):
 
     # -- in each worker ----------------------------------------------------------------------------
     def _worker_start(self, worker_id: int) -> None:
-        result = allocator.apply_glibc()
+        result = allocator.apply_glibc(allocator.WORKER_TUNING)
         worker_state.clear()
         worker_state.update(worker_id=worker_id, malloc=result.to_config())
         if self.ctx is not None:

@@ -371,7 +371,7 @@ def test_end_to_end_workers_tuned(run_loongkit: Any, tmp_path: Any, method: str)
     assert out["nofile"][0] == out["nofile"][1]
     row = result.feature("pytorch")
     assert row["active"] and row["state"] == "active"
-    assert row["config"]["worker_malloc"]["mmap_threshold"] == "256MiB"
+    assert row["config"]["worker_malloc"]["mmap_threshold"] == "64MiB"
     assert "pytorch                        *" in result.stdout
     # Each worker reported its bound (in the activity directory) to the main process's Summary.
     assert "pytorch: worker memory bound in force: 2 worker(s)" in result.stdout
