@@ -221,15 +221,18 @@ def render_table(base: RunStats, ours: RunStats, losses: dict[str, Any], toleran
     ]
     if base.pooled or ours.pooled:
         def each(stats: RunStats) -> str:
-            return " / ".join("n/a" if m is None else f"{m * 1000:.0f}" for m in stats.run_step_medians) + " ms"
+            return "/".join("n/a" if m is None else f"{m * 1000:.0f}" for m in stats.run_step_medians) + " ms"
 
         pairs = [b / o for b, o in zip(base.run_step_medians, ours.run_step_medians, strict=False) if b and o]
         spread = f"{min(pairs):.2f}-{max(pairs):.2f}x" if pairs else ""
         rows.insert(2, ("  each run's median", each(base), each(ours), spread))
     width = max(len(r[0]) for r in rows) + 2
-    lines = ["=" * 72, f"{'loongkit compare':<{width}}{'baseline':>16}{'loongkit':>16}{'speed-up':>12}", "-" * 72]
-    lines += [f"{name:<{width}}{b:>16}{o:>16}{r:>12}" for name, b, o, r in rows]
-    lines.append("-" * 72)
+    col = max(16, *(len(r[1]) + 2 for r in rows), *(len(r[2]) + 2 for r in rows))  # repeats widen the row
+    rule = max(72, width + 2 * col + 12)
+    lines = ["=" * rule, f"{'loongkit compare':<{width}}{'baseline':>{col}}{'loongkit':>{col}}{'speed-up':>12}",
+             "-" * rule]
+    lines += [f"{name:<{width}}{b:>{col}}{o:>{col}}{r:>12}" for name, b, o, r in rows]
+    lines.append("-" * rule)
     n = losses["compared"]
     if n:
         verdict = ("bitwise identical" if losses["bitwise"] else
@@ -251,7 +254,7 @@ def render_table(base: RunStats, ours: RunStats, losses: dict[str, Any], toleran
     for stats, note in zip((base, ours), agreement, strict=True):
         if note:
             lines.append(f"{stats.label}: {note}")
-    lines.append("=" * 72)
+    lines.append("=" * rule)
     return "\n".join(lines) + "\n"
 
 

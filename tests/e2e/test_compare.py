@@ -72,7 +72,7 @@ def test_repeated_runs_pool_their_warm_steps() -> None:
                          agreement=(repeat_agreement([a, c], 5), None))
     assert "1.60x" in table  # pooled medians 2.0 / 1.25
     each = next(line for line in table.splitlines() if line.startswith("  each run's median"))
-    assert "1000 / 3000 ms" in each and "500 / 2000 ms" in each and each.endswith("1.50-2.00x")
+    assert "1000/3000 ms" in each and "500/2000 ms" in each and each.endswith("1.50-2.00x")
     assert "baseline: losses differ between its own 2 runs" in table
 
 
