@@ -26,7 +26,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms in every booting process)
 if TYPE_CHECKING:
@@ -37,24 +36,42 @@ FLUSH_INTERVAL = 1.0  # seconds between a worker's reports while its counts chan
 NODE_WAIT = 5.0  # how long local rank 0 waits at exit for the node's other ranks
 
 
-@dataclass
+# Plain classes, not dataclasses: a booting process imports this module (see loongkit_core.feature).
 class Totals:
     """One main process's view of a feature: its own calls and its DataLoader workers'."""
 
-    calls: int = 0
-    worker_calls: int = 0
-    workers: int = 0  # distinct DataLoader worker ids that ran it
+    __slots__ = ("calls", "worker_calls", "workers")
+
+    def __init__(self, calls: int = 0, worker_calls: int = 0, workers: int = 0) -> None:
+        self.calls = calls
+        self.worker_calls = worker_calls
+        self.workers = workers  # distinct DataLoader worker ids that ran it
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Totals):
+            return NotImplemented
+        return (self.calls, self.worker_calls, self.workers) == (other.calls, other.worker_calls, other.workers)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def __repr__(self) -> str:
+        return f"Totals(calls={self.calls}, worker_calls={self.worker_calls}, workers={self.workers})"
 
     def to_json(self) -> dict[str, int]:
         return {"calls": self.calls, "worker_calls": self.worker_calls, "workers": self.workers}
 
 
-@dataclass
 class NodeView:
     """Local rank 0's view of the node: each local rank's totals per feature (missing: no report)."""
 
-    ranks: dict[int, dict[str, Totals]] = field(default_factory=dict)
-    expected: int = 0
+    __slots__ = ("expected", "ranks")
+
+    def __init__(self, ranks: dict[int, dict[str, Totals]] | None = None, expected: int = 0) -> None:
+        self.ranks: dict[int, dict[str, Totals]] = {} if ranks is None else ranks
+        self.expected = expected
+
+    def __repr__(self) -> str:
+        return f"NodeView(ranks={self.ranks!r}, expected={self.expected})"
 
     def missing(self) -> list[int]:
         return [r for r in range(self.expected) if r not in self.ranks]

@@ -7,7 +7,6 @@ declare features without touching torch or any other target library.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
 
 
 class Category(str, enum.Enum):
@@ -35,9 +34,19 @@ class State(str, enum.Enum):
     FAILED = "failed"  # raised while detecting, validating or activating
 
 
-@dataclass(frozen=True, kw_only=True)
+# Plain classes, not dataclasses: every booting process imports this module (a DataLoader worker, a
+# helper under a container-wide PYTHONPATH), and ``dataclasses`` brings ``inspect``, ``ast``, ``dis``
+# and ``tokenize`` with it: ~12 ms of a reused boot's ~26 ms of imports (docs/benchmarks.md).
+
+_FEATURE_DEFAULTS: dict[str, object] = {
+    "requires": (), "targets": (), "options": (), "depends_on": (), "disables": (), "implemented": True,
+    "plugin": "", "plugin_version": "",
+}
+_FEATURE_FIELDS = ("name", "env", "level", "category", "description", *_FEATURE_DEFAULTS)
+
+
 class Feature:
-    """A feature declared by a plugin, always by keyword (``Feature(name=..., env=..., ...)``).
+    """A feature declared by a plugin, always by keyword (``Feature(name=..., env=..., ...)``); frozen.
 
     ``name`` is the lower-case key used in the Summary (``allow_tf32``); ``env`` the variable
     that switches it (``LOONGKIT_ALLOW_TF32``). ``requires`` lists version requirements of
@@ -47,25 +56,34 @@ class Feature:
     whose import triggers activation (any of them; activation runs once per target imported);
     empty means "activate at boot". ``options`` names the extra environment variables the
     feature reads (for the did-you-mean check and the docs); their parsing belongs to the
-    plugin's configuration hook.
+    plugin's configuration hook. A changed copy: :meth:`replace`.
     """
+
+    __slots__ = _FEATURE_FIELDS
 
     name: str
     env: str
     level: int
     category: Category
     description: str
-    requires: tuple[str, ...] = ()
-    targets: tuple[str, ...] = ()
-    options: tuple[str, ...] = ()
-    depends_on: tuple[str, ...] = ()  # features that must be applicable and enabled too
-    disables: tuple[str, ...] = ()  # features this one switches off when enabled (seed: SUBCGROUPS)
-    implemented: bool = True
+    requires: tuple[str, ...]
+    targets: tuple[str, ...]
+    options: tuple[str, ...]
+    depends_on: tuple[str, ...]  # features that must be applicable and enabled too
+    disables: tuple[str, ...]  # features this one switches off when enabled (seed: SUBCGROUPS)
+    implemented: bool
     # Filled in by the core from the entry point: which plugin declared it.
-    plugin: str = ""
-    plugin_version: str = ""
+    plugin: str
+    plugin_version: str
 
-    def __post_init__(self) -> None:
+    def __init__(self, *, name: str, env: str, level: int, category: Category, description: str,
+                 requires: tuple[str, ...] = (), targets: tuple[str, ...] = (), options: tuple[str, ...] = (),
+                 depends_on: tuple[str, ...] = (), disables: tuple[str, ...] = (), implemented: bool = True,
+                 plugin: str = "", plugin_version: str = "") -> None:
+        values = (name, env, level, category, description, requires, targets, options, depends_on, disables,
+                  implemented, plugin, plugin_version)
+        for field_name, value in zip(_FEATURE_FIELDS, values, strict=True):
+            object.__setattr__(self, field_name, value)
         if not self.env.startswith("LOONGKIT_"):
             raise ValueError(f"feature {self.name!r}: env {self.env!r} must start with LOONGKIT_")
         if self.level not in (1, 2, 3):
@@ -73,8 +91,45 @@ class Feature:
         if self.name != self.name.lower() or not self.name.replace("_", "").isalnum():
             raise ValueError(f"feature name {self.name!r} must be lower_snake_case")
 
+    def fields(self) -> dict[str, object]:
+        """The declaration as keywords (``Feature(**f.fields())`` is an equal feature)."""
+        return {n: getattr(self, n) for n in _FEATURE_FIELDS}
 
-@dataclass
+    def replace(self, **changes: object) -> Feature:
+        """A copy with ``changes`` (validated again), like ``dataclasses.replace``."""
+        unknown = set(changes) - set(_FEATURE_FIELDS)
+        if unknown:
+            raise TypeError(f"Feature has no field(s) {', '.join(sorted(unknown))}")
+        return Feature(**{**self.fields(), **changes})  # type: ignore[arg-type]
+
+    def _key(self) -> tuple[object, ...]:
+        return tuple(getattr(self, n) for n in _FEATURE_FIELDS)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}: a Feature is frozen (use .replace())")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}: a Feature is frozen")
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._key() == other._key()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __reduce__(self) -> tuple[object, tuple[dict[str, object]]]:
+        return _feature, (self.fields(),)
+
+    def __repr__(self) -> str:
+        return "Feature(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in _FEATURE_FIELDS) + ")"
+
+
+def _feature(fields: dict[str, object]) -> Feature:
+    return Feature(**fields)  # type: ignore[arg-type]
+
+
 class PolicyDecision:
     """A hardware policy's say on one feature (seed: 'Hardware-aware default optimization policies').
 
@@ -82,29 +137,66 @@ class PolicyDecision:
     ``option_defaults`` replaces defaults of the feature's options (explicit variables still win).
     """
 
-    reason: str
-    enabled_by_default: bool | None = None
-    option_defaults: dict[str, object] = field(default_factory=dict)
+    __slots__ = ("enabled_by_default", "option_defaults", "reason")
+
+    def __init__(self, reason: str, enabled_by_default: bool | None = None,
+                 option_defaults: dict[str, object] | None = None) -> None:
+        self.reason = reason
+        self.enabled_by_default = enabled_by_default
+        self.option_defaults: dict[str, object] = {} if option_defaults is None else option_defaults
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PolicyDecision):
+            return NotImplemented
+        return (self.reason, self.enabled_by_default, self.option_defaults) == (
+            other.reason, other.enabled_by_default, other.option_defaults)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def __repr__(self) -> str:
+        return (f"PolicyDecision(reason={self.reason!r}, enabled_by_default={self.enabled_by_default!r}, "
+                f"option_defaults={self.option_defaults!r})")
 
 
-@dataclass
+_RECORD_FIELDS = ("feature", "state", "reason", "explicit", "enabled", "config", "calls", "activation_calls",
+                  "worker_calls", "workers", "node", "applied_targets", "policy", "details")
+
+
 class FeatureRecord:
     """The run-time record of one declared feature; what the Summary prints."""
 
-    feature: Feature
-    state: State = State.DISABLED
-    reason: str = ""
-    explicit: bool = False  # enabled by its own variable rather than LOONGKIT_ALL
-    enabled: bool = False
-    config: object = None  # what the Summary shows in its "Configurations" column
-    calls: int = 0  # times its code ran in this process (the Summary's '*')
-    activation_calls: int = 0  # of ``calls``, those made inside the activation hook itself
-    worker_calls: int = 0  # times it ran in this process's DataLoader workers (reported at exit)
-    workers: int = 0  # how many distinct DataLoader workers ran it
-    node: dict[int, dict[str, int]] | None = None  # local rank 0 under torchrun: local rank -> totals
-    applied_targets: list[str] = field(default_factory=list)
-    policy: str = ""  # the hardware policy that changed its defaults, if any
-    details: dict[str, object] = field(default_factory=dict)  # free-form facts for the JSON summary
+    __slots__ = _RECORD_FIELDS
+
+    def __init__(self, feature: Feature, state: State = State.DISABLED, reason: str = "", explicit: bool = False,
+                 enabled: bool = False, config: object = None, calls: int = 0, activation_calls: int = 0,
+                 worker_calls: int = 0, workers: int = 0, node: dict[int, dict[str, int]] | None = None,
+                 applied_targets: list[str] | None = None, policy: str = "",
+                 details: dict[str, object] | None = None) -> None:
+        self.feature = feature
+        self.state = state
+        self.reason = reason
+        self.explicit = explicit  # enabled by its own variable rather than LOONGKIT_ALL
+        self.enabled = enabled
+        self.config = config  # what the Summary shows in its "Configurations" column
+        self.calls = calls  # times its code ran in this process (the Summary's '*')
+        self.activation_calls = activation_calls  # of ``calls``, those made inside the activation hook itself
+        self.worker_calls = worker_calls  # times it ran in this process's DataLoader workers (reported at exit)
+        self.workers = workers  # how many distinct DataLoader workers ran it
+        self.node = node  # local rank 0 under torchrun: local rank -> totals
+        self.applied_targets: list[str] = [] if applied_targets is None else applied_targets
+        self.policy = policy  # the hardware policy that changed its defaults, if any
+        # free-form facts for the JSON summary
+        self.details: dict[str, object] = {} if details is None else details
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, FeatureRecord):
+            return NotImplemented
+        return all(getattr(self, n) == getattr(other, n) for n in _RECORD_FIELDS)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def __repr__(self) -> str:
+        return "FeatureRecord(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in _RECORD_FIELDS) + ")"
 
     @property
     def active(self) -> bool:

@@ -695,9 +695,7 @@ class _watchdog:
 
 
 def _with_plugin(feature: Feature, plugin: str, version: str) -> Feature:
-    from dataclasses import replace
-
-    return replace(feature, plugin=plugin, plugin_version=feature.plugin_version or version)
+    return feature.replace(plugin=plugin, plugin_version=feature.plugin_version or version)
 
 
 _runtime: Runtime | None = None

@@ -8,7 +8,6 @@ get the wrapped function too, and their features registered the same callbacks a
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from types import ModuleType
 
@@ -63,6 +62,8 @@ def _install(module: ModuleType) -> None:
     if _patcher.patched:
         return
     original = module._worker_loop
+    import inspect  # here, not at boot: torch has imported it by now; a booting process has not
+
     try:
         position = list(inspect.signature(original).parameters).index("worker_id")
     except (TypeError, ValueError) as exc:

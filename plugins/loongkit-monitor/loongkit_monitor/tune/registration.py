@@ -33,8 +33,6 @@ def _add_cli(subparsers: Any) -> None:
 def register(plugin: PluginSpec, version: str = "") -> None:
     feature = WORKERS_FEATURE
     if version:
-        from dataclasses import replace
-
-        feature = replace(feature, plugin_version=version)
+        feature = feature.replace(plugin_version=version)
     plugin.add(feature, impl="loongkit_monitor.tune.workers:DataLoaderWorkers")
     plugin.cli(_add_cli)
