@@ -190,3 +190,14 @@ def test_switched_off_or_under_a_fake_sysfs_root(job: Job, extra: dict[str, str]
     first, second = job.run(PROBE, **extra), job.run(PROBE, **extra)
     assert not reused(first) and not reused(second)
     assert second["hooks"] == ["detect", "configure"]
+
+
+def test_a_reused_boot_imports_no_dataclasses_or_inspect(tmp_path: Path) -> None:
+    # ~12 ms of a reused boot's imports until the core's records became plain classes (docs/benchmarks.md,
+    # start-up); at the default log level no record is emitted, so structlog (which needs them) stays out.
+    env = {**clean_environ(), "PYTHONPATH": prelude_dir(), "LOONGKIT_ALL": "1", "LOONGKIT_LOGDIR": str(tmp_path)}
+    probe = "import sys; print('loaded', [m for m in ('dataclasses', 'inspect', 'typing') if m in sys.modules])"
+    outs = [subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+            for _ in range(2)]  # the first boots in full and writes the resolution; the second reuses it
+    assert all(o.returncode == 0 for o in outs), [o.stderr for o in outs]
+    assert outs[1].stdout.strip().splitlines()[0] == "loaded []", outs[1].stdout
