@@ -194,6 +194,8 @@ def _plugin_session(plugin: Path) -> None:
         session.install(".", str(plugin), *TEST_DEPS, *PLUGIN_TEST_DEPS.get(name, []))
         # The tests import the installed wheels (pytest's importlib mode keeps the checkout off sys.path).
         session.run("pytest", "-m", "not integration", *tests, "tests/unit/test_conformance.py", *session.posargs)
+        if f"plugins/{plugin.name}" in KERNEL_PLUGINS:  # its prebuilt kernels, loaded with no compiler reachable
+            _wheel_tests(session, Path(session.create_tmp()).resolve())
 
     run.__doc__ = f"The core and {plugin.name} alone (pip install selected plugins): its unit tests, conformance."
 
@@ -231,8 +233,8 @@ def wheels(session: nox.Session) -> None:
     """The wheels as users get them: loongkit-core's and the kernel plugins' wheels built here (the plugins'
     with their compiled CPU kernels, `pip wheel`), installed into this fresh venv beside torch 2.13.0, then
     tests/wheels with no compiler reachable (PATH holding only the venv and binutils, CXX naming a missing
-    file, an empty kernel cache). posargs go to pytest. ~6 minutes on 2 idle cores (not in the `test` tag:
-    docs/architecture.md, "Kernel ABI")."""
+    file, an empty kernel cache). posargs go to pytest. ~6 minutes on 2 idle cores. Not in the `test` tag: CI
+    runs tests/wheels in `plugin-ops` and `plugin-data` instead (each plugin's wheel alone with the core's)."""
     import shutil
     import time
 
@@ -247,6 +249,13 @@ def wheels(session: nox.Session) -> None:
     built = [str(p) for p in sorted(dist.glob("*.whl"))]
     session.install(*built)  # their dependencies
     session.install("--force-reinstall", "--no-deps", *built)  # these wheels, even over a reused venv's
+    _wheel_tests(session, tmp, *session.posargs)
+
+
+def _wheel_tests(session: nox.Session, tmp: Path, *args: str) -> None:
+    """tests/wheels against what this venv installed from wheels, with no compiler reachable."""
+    import shutil
+
     tools = tmp / "tools"  # readelf/objdump for the tests, and nothing that compiles
     shutil.rmtree(tools, ignore_errors=True)
     tools.mkdir()
@@ -258,4 +267,7 @@ def wheels(session: nox.Session) -> None:
     env = {"PATH": os.pathsep.join([session.bin, str(tools)]), "CXX": str(tmp / "no-such-c++"),
            "LOONGKIT_KERNEL_CACHE": str(cache)}
     session.chdir(tmp)  # not the checkout: its loongkit_core must not shadow the installed one
-    session.run("pytest", str(ROOT / "tests" / "wheels"), *session.posargs, env=env)
+    try:
+        session.run("pytest", str(ROOT / "tests" / "wheels"), *args, env=env)
+    finally:
+        session.chdir(ROOT)

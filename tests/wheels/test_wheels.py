@@ -1,5 +1,6 @@
-"""The wheels as a user gets them: loongkit-core, loongkit-ops and loongkit-data installed from wheels
-built here into a fresh venv, with no compiler reachable (``nox -s wheels`` sets this up: PATH without
+"""The wheels as a user gets them: loongkit-core with loongkit-ops and/or loongkit-data installed from wheels
+built here into a fresh venv (``nox -s wheels``: all three; CI's ``nox -s plugin-ops`` / ``plugin-data``: the
+core and that plugin), with no compiler reachable (``nox -s wheels`` sets this up: PATH without
 c++/g++/ninja, CXX naming a missing file, an empty kernel cache). Every compiled library loads its
 prebuilt binary in well under a second, builds nothing, runs each instruction-set build, and a feature
 is active on it. Skipped elsewhere (an editable or source install has no prebuilt binary)."""
@@ -23,16 +24,25 @@ SITE = Path(sysconfig.get_paths()["purelib"]).resolve()
 LIBRARIES = {"loongkit_ops": "loongkit_ops.kernels", "loongkit_data": "loongkit_data.kernels"}
 
 
-def installed_from_wheels() -> bool:
-    import loongkit_data
-    import loongkit_ops
+def _from_wheel(package: str) -> bool:
+    import importlib.util
 
-    import loongkit_core
-
-    return all(Path(m.__file__).resolve().is_relative_to(SITE) for m in (loongkit_core, loongkit_ops, loongkit_data))
+    spec = importlib.util.find_spec(package)
+    return spec is not None and spec.origin is not None and Path(spec.origin).resolve().is_relative_to(SITE)
 
 
-pytestmark = pytest.mark.skipif(not installed_from_wheels(), reason="needs the wheels installed (nox -s wheels)")
+# The kernel plugins installed here from wheels: both under `nox -s wheels`, one in that plugin's own
+# session (`nox -s plugin-ops`, `plugin-data`: the core and that plugin alone).
+WHEELS = sorted(p for p in LIBRARIES if _from_wheel(p))
+
+pytestmark = pytest.mark.skipif(not (_from_wheel("loongkit_core") and WHEELS),
+                                reason="needs the core and a kernel plugin installed from wheels (nox -s wheels)")
+
+
+def needs(package: str) -> None:
+    if package not in WHEELS:
+        pytest.skip(f"{package} is not installed from a wheel here")
+
 
 LOAD = """
 import json, os, sys, time
@@ -59,6 +69,7 @@ def test_no_compiler_is_reachable() -> None:
 
 @pytest.mark.parametrize("package", sorted(LIBRARIES))
 def test_prebuilt_library_loads_fast_and_builds_nothing(package: str, tmp_path: Path) -> None:
+    needs(package)
     cache = tmp_path / "cache"
     env = {**os.environ, "LOONGKIT_KERNEL_CACHE": str(cache)}
     proc = subprocess.run([sys.executable, "-c", LOAD, LIBRARIES[package]], env=env, capture_output=True, text=True,
@@ -74,10 +85,10 @@ def test_prebuilt_library_loads_fast_and_builds_nothing(package: str, tmp_path: 
 
 
 def test_wheel_binaries_need_no_torch_python_or_openmp_library() -> None:
-    from loongkit_data import kernels as data
-    from loongkit_ops import kernels as ops
+    import importlib
 
-    for library in (ops.LIBRARY, data.LIBRARY):
+    for package in WHEELS:
+        library = importlib.import_module(LIBRARIES[package]).LIBRARY
         binary = library.spec.binary
         assert binary.exists(), binary
         if shutil.which("readelf") is None:
@@ -86,10 +97,9 @@ def test_wheel_binaries_need_no_torch_python_or_openmp_library() -> None:
         assert not any(n in needed for n in ("libtorch", "libc10", "libpython", "libgomp", "libomp", "libiomp")), needed
 
 
-def test_every_isa_of_the_wheel_computes_the_same_voxels_and_pixels() -> None:
-    import numpy as np
+def test_every_isa_of_the_wheel_computes_the_same_voxels() -> None:
+    needs("loongkit_ops")
     import torch
-    from loongkit_data import kernels as data
     from loongkit_ops import kernels as ops
 
     gen = torch.Generator().manual_seed(7)
@@ -97,6 +107,13 @@ def test_every_isa_of_the_wheel_computes_the_same_voxels_and_pixels() -> None:
     results = [ops.LIBRARY.load(isa).hard_voxelize(pts, [0.2, 0.2, 0.4], [-8, -8, -8, 8, 8, 8], 4, 5000)
                for isa in ops.LIBRARY.isas()]
     assert all(torch.equal(a, b) for r in results for a, b in zip(r, results[0], strict=True))
+
+
+def test_every_isa_of_the_wheel_computes_the_same_pixels() -> None:
+    needs("loongkit_data")
+    import numpy as np
+    from loongkit_data import kernels as data
+
     img = np.random.default_rng(7).integers(0, 256, (9, 37, 3), dtype=np.uint8)
     outs = []
     for isa in data.LIBRARY.isas():
@@ -135,6 +152,7 @@ assert voxels.shape[1:] == (4, 4) and coors.shape[1] == 3
 
 
 def test_feature_active_on_the_prebuilt_kernels(run_loongkit: Any, fake_distribution: Any, tmp_path: Path) -> None:
+    needs("loongkit_ops")
     fake_distribution("mmcv", "2.1.0", modules={"mmcv/__init__.py": "", "mmcv/ops/__init__.py": "",
                                                  "mmcv/ops/voxelize.py": FAKE_VOXELIZE})
     cache = tmp_path / "cache"
