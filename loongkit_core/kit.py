@@ -55,6 +55,11 @@ class FeatureImpl:
     """
 
     options: ClassVar[type[LoongkitSettings] | None] = None
+    # The options model as "module:Class", imported only when one of the feature's option variables
+    # (``Feature.options``) is set or a policy sets option defaults; otherwise ``configure`` returns
+    # ``options_unset`` (a copy of a dict) without importing pydantic-settings (~60 ms in every process).
+    lazy_options: ClassVar[str | None] = None
+    options_unset: ClassVar[object] = None
 
     def __init__(self, feature: Feature) -> None:
         self.feature = feature
@@ -64,12 +69,22 @@ class FeatureImpl:
         return None
 
     def configure(self, env: Environment, policy: PolicyDecision | None) -> tuple[object, list[str]]:
-        if self.options is None:
+        model = self.options
+        if model is None and self.lazy_options is not None:
+            defaulted = policy is not None and bool(policy.option_defaults)
+            if not defaulted and not options_set(env.environ, self.feature.options):
+                unset = self.options_unset
+                return (dict(unset) if isinstance(unset, dict) else unset), []
+            import importlib
+
+            module, _, name = self.lazy_options.partition(":")
+            model = getattr(importlib.import_module(module), name)
+        if model is None:
             return None, []
         from loongkit_core.settings import load_settings
 
         defaults = policy.option_defaults if policy is not None else None
-        return load_settings(self.options, defaults=defaults, environ=env.environ)
+        return load_settings(model, defaults=defaults, environ=env.environ)
 
     def activate(self, ctx: ActivationContext, target: str | None) -> None:
         raise NotImplementedError(f"{type(self).__name__}.activate")

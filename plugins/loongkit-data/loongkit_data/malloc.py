@@ -22,7 +22,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from loongkit_core.context import ActivationContext, NotApplicable
-from loongkit_core.kit import FeatureImpl, options_set
+from loongkit_core.kit import FeatureImpl
 from loongkit_data import allocator
 
 if TYPE_CHECKING:
@@ -100,21 +100,14 @@ def probe_faults(size: int = PROBE_BYTES, cycles: int = 2) -> int:
 
 
 class Malloc(FeatureImpl):
+    # Validated only when LOONGKIT_MALLOC_ALLOCATOR is set; else None: the default allocator, glibc.
+    lazy_options = "loongkit_data.malloc:MallocOptions"  # built at first access (module __getattr__)
+
     def __init__(self, feature: Any) -> None:
         super().__init__(feature)
         self.tuning: dict[str, object] | None = None  # what apply_glibc did in this process
         self.faults_at_boot = 0
         self._options: Any = None
-
-    def configure(self, env: Any, policy: Any) -> tuple[object, list[str]]:
-        """The options model when LOONGKIT_MALLOC_ALLOCATOR is set (validated, with a warning for a bad
-        value); else None, meaning the default allocator, glibc, without importing pydantic-settings."""
-        if not options_set(env.environ, (ALLOCATOR_ENV,)) and not (policy is not None and policy.option_defaults):
-            return None, []
-        from loongkit_core.settings import load_settings
-
-        defaults = policy.option_defaults if policy is not None else None
-        return load_settings(_options_model(), defaults=defaults, environ=env.environ)
 
     def activate(self, ctx: ActivationContext, target: str | None) -> None:
         # ctx.config is the parsed options until set_config shows what was done instead: kept for an

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from loongkit_core.context import ActivationContext, Environment, NotApplicable
-from loongkit_core.kit import FeatureImpl, options_set
+from loongkit_core.kit import FeatureImpl
 from loongkit_monitor import analysis, dataworkers, gather, procstat
 from loongkit_monitor.recorder import StepRecorder
 
@@ -62,7 +62,6 @@ SWITCH_AFTER = 3  # steps of another optimizer, with none of the first, before i
 RECOMMENDABLE = ("distortion", "imnormalize", "pytorch_memory", "numa_affinity", "config_guards", "dataloader_workers")
 
 
-OPTIONS = ("LOONGKIT_MONITOR_INTERVAL", "LOONGKIT_MONITOR_MAX_STEPS")
 DEFAULTS: dict[str, float | int] = {"interval": 0.0, "max_steps": 0}  # what the options model defaults to
 
 
@@ -263,20 +262,13 @@ def feature_views(records: Any) -> dict[str, analysis.FeatureView]:
 
 
 class MonitorFeature(FeatureImpl):
+    # Validated (a warning for a bad value) only when a LOONGKIT_MONITOR_* variable is set; else DEFAULTS.
+    lazy_options = "loongkit_monitor.options:MonitorOptions"
+    options_unset = DEFAULTS
+
     def __init__(self, feature: Any) -> None:
         super().__init__(feature)
         self.monitor: Monitor | None = None
-
-    def configure(self, env: Environment, policy: Any) -> tuple[object, list[str]]:
-        """The options model when a LOONGKIT_MONITOR_* variable is set (validated, a warning for a bad
-        value); else the defaults, without importing pydantic-settings."""
-        if not options_set(env.environ, OPTIONS) and not (policy is not None and policy.option_defaults):
-            return dict(DEFAULTS), []
-        from loongkit_core.settings import load_settings
-        from loongkit_monitor.options import MonitorOptions
-
-        defaults = policy.option_defaults if policy is not None else None
-        return load_settings(MonitorOptions, defaults=defaults, environ=env.environ)
 
     def detect(self, env: Environment) -> str | None:
         if not sys.platform.startswith("linux"):
