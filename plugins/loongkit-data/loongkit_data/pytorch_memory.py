@@ -42,9 +42,9 @@ JEMALLOC_WORKERS = "workers on jemalloc: arena 0 gets the oversize_threshold its
 # Workers that end this share of their batches in a trim lose most of the glibc tuning's gain: the Summary
 # then names jemalloc, with what benchmarks/allocator.py measured (docs/benchmarks.md, allocator section).
 TRIM_ADVICE_SHARE = 0.1
-JEMALLOC_EVIDENCE = ("jemalloc reuses them without growing (benchmarks/allocator.py, mmcv Voxelization in a worker: "
-                     "glibc tuned 74.7k faults per call, 9 trims in 20 batches, 1.50x the default's peak RSS; "
-                     "jemalloc 1 fault per call, 0.99x)")
+JEMALLOC_EVIDENCE = ("jemalloc reuses them without growing (benchmarks/allocator.py, mmcv Voxelization in a worker, "
+                     "quiet machine: glibc tuned 1.03x the default's speed, 82k faults per call; jemalloc 2.42x, "
+                     "1 fault per call, 0.99x the default's peak RSS)")
 # What the last worker-start callback applied in this process (tests and the worker's own log).
 worker_state: dict[str, Any] = {}
 
@@ -308,7 +308,7 @@ class PytorchMemory(FeatureImpl):
         from loongkit_core import activity
 
         bound = allocator.HeapBound()
-        if not bound.available:
+        if not bound.available or self.ctx is None:  # the patch needs the feature's undo (set at activation)
             return
         worker_state["heap_bound"] = bound
         job = activity.job_directory()
@@ -341,10 +341,7 @@ class PytorchMemory(FeatureImpl):
                     after()
 
             bounded.__wrapped__ = original  # type: ignore[attr-defined]
-            if self.ctx is not None:
-                self.ctx.patcher.patch(cls, "fetch", bounded)
-            else:
-                cls.fetch = bounded  # type: ignore[method-assign]
+            self.ctx.patcher.patch(cls, "fetch", bounded)
 
     def worker_bounds(self) -> list[dict[str, int]]:
         """The HeapBound reports of this main process's DataLoader workers (their last state)."""
@@ -376,11 +373,10 @@ class PytorchMemory(FeatureImpl):
                 values = sorted(b[key] / 2**20 for b in bounds)
                 return f"{values[0]:,.0f}" + (f"-{values[-1]:,.0f}" if round(values[-1]) != round(values[0]) else "")
 
+            trims, batches = sum(b["trims"] for b in bounds), sum(b["batches"] for b in bounds)
             lines.append(f"pytorch: worker memory bound in force: {len(bounds)} worker(s) each held at most its size "
                          f"after a clean batch ({span('held')} MiB, of which one batch {span('working_set')} MiB) "
-                         f"+{allocator.BOUND_SLACK:.0%}; trimmed {sum(b['trims'] for b in bounds):,} time(s) in "
-                         f"{sum(b['batches'] for b in bounds):,} batches")
-            trims, batches = sum(b["trims"] for b in bounds), sum(b["batches"] for b in bounds)
+                         f"+{allocator.BOUND_SLACK:.0%}; trimmed {trims:,} time(s) in {batches:,} batches")
             if trims >= 2 and trims >= TRIM_ADVICE_SHARE * batches:
                 missing = "" if allocator.find_library("jemalloc") else " (install it first: Debian libjemalloc2)"
                 lines.append(f"pytorch: workers trimmed after {trims:,} of {batches:,} batches: each trim faults the "
