@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from loongkit_core.resident import resident_bytes
+
 # <malloc.h> parameter numbers (identical in every glibc since 2.x).
 M_TRIM_THRESHOLD = -1
 M_TOP_PAD = -2
@@ -281,12 +283,8 @@ def raise_nofile() -> tuple[int, int, int] | None:
 
 
 def resident() -> int | None:
-    """This process's resident memory in bytes (``/proc/self/statm``), or None where unreadable."""
-    try:
-        with open("/proc/self/statm", "rb") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
+    """This process's resident memory in bytes, or None where unreadable."""
+    return resident_bytes()
 
 
 def trim() -> bool:

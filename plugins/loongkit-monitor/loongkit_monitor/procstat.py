@@ -17,7 +17,7 @@ import resource
 import time
 from dataclasses import dataclass
 
-PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+from loongkit_core.resident import STATM, resident_bytes
 
 
 @dataclass(frozen=True)
@@ -48,14 +48,9 @@ class Usage:
             return None
 
 
-def rss_bytes(path: str = "/proc/self/statm") -> int:
-    """Resident bytes from statm's second field (0 when unreadable)."""
-    try:
-        with open(path, "rb") as fh:
-            fields = fh.read(256).split()
-        return int(fields[1]) * PAGE_SIZE
-    except (OSError, IndexError, ValueError):
-        return 0
+def rss_bytes(path: str = STATM) -> int:
+    """Resident bytes (0 when unreadable: a sample's field is a count)."""
+    return resident_bytes(path) or 0
 
 
 def private_bytes(path: str = "/proc/self/smaps_rollup") -> int | None:

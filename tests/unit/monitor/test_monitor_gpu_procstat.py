@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 from loongkit_monitor import gpu, procstat
 
+from loongkit_core import resident
+
 
 class FakeStream:
     """A GPU stream: kernels queue behind each other; an event completes when the GPU reaches it."""
@@ -149,7 +151,8 @@ def test_pci_ids_between_nvml_and_sysfs() -> None:
 # -- /proc ------------------------------------------------------------------------------------------
 def test_statm_smaps_and_schedstat_parsers(tmp_path: Path) -> None:
     (tmp_path / "statm").write_text("5000 1200 300 10 0 900 0\n")
-    assert procstat.rss_bytes(str(tmp_path / "statm")) == 1200 * procstat.PAGE_SIZE
+    assert procstat.rss_bytes(str(tmp_path / "statm")) == 1200 * resident.PAGE_SIZE
+    assert procstat.rss_bytes(str(tmp_path / "missing")) == 0  # a count in a sample: 0, not None
     (tmp_path / "smaps_rollup").write_text("Rss: 900 kB\nPrivate_Clean:  40 kB\nPrivate_Dirty: 116 kB\n")
     assert procstat.private_bytes(str(tmp_path / "smaps_rollup")) == 156 * 1024
     (tmp_path / "schedstat").write_text("335696710 1108510469 107\n")

@@ -31,7 +31,6 @@ Cost
 
 from __future__ import annotations
 
-import os
 import time
 import types
 import weakref
@@ -39,20 +38,16 @@ from collections.abc import Callable
 from typing import Any
 
 from loongkit_core.context import ActivationContext
+from loongkit_core.resident import resident_bytes
 
 MARK = "__loongkit_compile__"  # attribute on our guarded callables: the feature that installed them
 COMPILER_MODULES = ("torch._dynamo", "torch._inductor", "torch._functorch", "torch._subclasses", "torch.fx")
 BACKEND = "inductor"  # the backend every feature compiles with (tests swap in a cheaper or failing one)
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def host_rss() -> int:
     """Resident set size of this process in bytes (0 where /proc is not there)."""
-    try:
-        with open("/proc/self/statm", "rb") as fh:
-            return int(fh.read().split()[1]) * _PAGE
-    except (OSError, ValueError, IndexError):
-        return 0
+    return resident_bytes() or 0
 
 
 def device_reserved(torch: Any) -> int:
