@@ -29,6 +29,8 @@ import sys
 import tempfile
 import textwrap
 
+from _timing import bench_line
+
 CHILD = textwrap.dedent("""
     import json, resource, sys, time
     import torch
@@ -94,11 +96,6 @@ def run(case: str, on: bool, quick: bool, steps: int) -> tuple[dict, dict | None
         return json.loads(lines[-1][len("RESULT "):]), row
 
 
-def bench(name: str, base: float, ours: float, fmt: str = "{:.5f}") -> None:
-    ratio = base / ours if ours else float("inf")
-    print(f"BENCH {name} baseline={fmt.format(base)} ours={fmt.format(ours)} ratio={ratio:.2f}", flush=True)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller models, fewer steps")
@@ -113,9 +110,9 @@ def main() -> None:
         base, _ = run(case, False, args.quick, steps)
         ours, row = run(case, True, args.quick, steps)
         label = f"compile_{case}{'_quick' if args.quick else ''}"
-        bench(f"{label}_step", statistics.median(base["times"][2:]), statistics.median(ours["times"][2:]))
-        bench(f"{label}_first_step", base["times"][0], ours["times"][0])
-        bench(f"{label}_peak_rss", base["maxrss"], ours["maxrss"], "{:.0f}")
+        bench_line(f"{label}_step", statistics.median(base["times"][2:]), statistics.median(ours["times"][2:]), 5)
+        bench_line(f"{label}_first_step", base["times"][0], ours["times"][0], 5)
+        bench_line(f"{label}_peak_rss", base["maxrss"], ours["maxrss"], 0)
         cfg = (row or {}).get("config") or {}
         print(f"  {feature}: state={(row or {}).get('state')} compiles={cfg.get('compiles')} "
               f"compile_seconds={cfg.get('compile_seconds')} extra_memory_mb={cfg.get('extra_memory_mb')} "

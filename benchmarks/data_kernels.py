@@ -16,29 +16,13 @@ excluded and reported once as BUILD.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
+from _timing import bench_line, median_time
 
 SIZES = ((1600, 900), (1333, 800), (640, 480))
-
-
-def timeit(fn: Callable[[], Any], repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def line(name: str, baseline: float, ours: float) -> None:
-    print(f"BENCH {name} baseline={baseline:.6f} ours={ours:.6f} ratio={baseline / ours:.2f}", flush=True)
 
 
 def main() -> int:
@@ -68,11 +52,11 @@ def main() -> int:
     std = np.array([58.395, 57.12, 57.375], np.float32)
     for w, h in SIZES:
         img = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
-        base = timeit(lambda img=img: photometric.imnormalize(img, mean, std, True), repeat)
-        ours = timeit(lambda img=img: ops.imnormalize(img, mean, std, True), repeat)
-        floor = timeit(lambda img=img: img.astype(np.float32), repeat)
-        line(f"imnormalize_{w}x{h}", base, ours)
-        line(f"imnormalize_floor_{w}x{h}", floor, ours)
+        base = median_time(lambda img=img: photometric.imnormalize(img, mean, std, True), repeat, warmup=1)
+        ours = median_time(lambda img=img: ops.imnormalize(img, mean, std, True), repeat, warmup=1)
+        floor = median_time(lambda img=img: img.astype(np.float32), repeat, warmup=1)
+        bench_line(f"imnormalize_{w}x{h}", base, ours)
+        bench_line(f"imnormalize_floor_{w}x{h}", floor, ours)
 
     draws = (1, 1, 1, 1, 1, 1, 17.3, 1.21, 1.37, -7.9, np.array([2, 0, 1]))
     t = PhotoMetricDistortion()
@@ -81,9 +65,9 @@ def main() -> int:
     assert params is not None
     for w, h in SIZES:
         img = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
-        base = timeit(lambda img=img: PhotoMetricDistortion.transform(t, {"img": img}), repeat)
-        ours = timeit(lambda img=img: ops.distort(img, **params), repeat)
-        line(f"distortion_{w}x{h}", base, ours)
+        base = median_time(lambda img=img: PhotoMetricDistortion.transform(t, {"img": img}), repeat, warmup=1)
+        ours = median_time(lambda img=img: ops.distort(img, **params), repeat, warmup=1)
+        bench_line(f"distortion_{w}x{h}", base, ours)
     return 0
 
 

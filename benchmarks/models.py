@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _timing import bench_line, median_time
 
 TESTS = Path(__file__).parents[1] / "tests"
 UNIT = TESTS / "unit" / "ops_models"
@@ -71,15 +72,6 @@ def _vendored(project_file: str, package: str, target: str) -> tuple[types.Modul
             return project, importlib.import_module(project.write_project(Path(root), package, project.source(target)))
         finally:
             sys.path.remove(root)
-
-
-def median_time(fn: Callable[[], Any], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 class Switch:
@@ -116,7 +108,7 @@ def compare(name: str, fn: Callable[[], Any], switch: Switch, reps: int, rounds:
         finally:
             switch.off()
     tb, to = min(base), min(ours)
-    print(f"BENCH {name} baseline={tb:.6f} ours={to:.6f} ratio={tb / to:.2f}", flush=True)
+    bench_line(name, tb, to)
 
 
 def main() -> int:
@@ -249,7 +241,7 @@ def bev_tiny_train_step(quick: bool, reps: int, rounds: int) -> None:
         base.append(steps(False, reps))
         ours.append(steps(True, reps))
     tb, to = min(base), min(ours)
-    print(f"BENCH bev_tiny_train_step baseline={tb:.6f} ours={to:.6f} ratio={tb / to:.2f}", flush=True)
+    bench_line("bev_tiny_train_step", tb, to)
 
 
 class _Boxes:

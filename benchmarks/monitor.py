@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _timing import bench_line
 from torch.utils.data import DataLoader
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,11 +167,9 @@ def main() -> None:
     times = interleaved(hooks, steps, batch, args.workers)
     baseline, ours = statistics.median(times["bare_cpu"]), statistics.median(times["hooked_cpu"])
     wall_bare, wall_hooked = statistics.median(times["bare"]), statistics.median(times["hooked"])
-    print(f"BENCH monitor_overhead_train_classifier baseline={baseline:.6f} ours={ours:.6f} "
-          f"ratio={baseline / ours:.3f}", flush=True)
+    bench_line("monitor_overhead_train_classifier", baseline, ours, ratio_digits=3)
     cost_bare, cost_hooked = per_step_cost(hooks, rounds=8 if args.quick else 16, steps=1000 if args.quick else 3000)
-    print(f"BENCH monitor_hooks_per_step baseline={cost_bare:.7f} ours={cost_hooked:.7f} "
-          f"ratio={cost_bare / cost_hooked:.3f}", flush=True)
+    bench_line("monitor_hooks_per_step", cost_bare, cost_hooked, 7, 3)
     cost = max(0.0, cost_hooked - cost_bare)
     sample = sampler_cost(channel, 50 if args.quick else 200)
     main_sample = main_sample_cost(200)

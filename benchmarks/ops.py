@@ -29,22 +29,12 @@ alternate so both see the same machine state).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-
-
-def median_time(fn: Callable[[], Any], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from _timing import bench_line, median_time
 
 
 def compare(name: str, base: Callable[[], Any], ours: Callable[[], Any], reps: int, rounds: int = 3) -> None:
@@ -55,7 +45,7 @@ def compare(name: str, base: Callable[[], Any], ours: Callable[[], Any], reps: i
         b.append(median_time(base, reps))
         o.append(median_time(ours, reps))
     tb, to = min(b), min(o)
-    print(f"BENCH {name} baseline={tb:.6f} ours={to:.6f} ratio={tb / to:.2f}", flush=True)
+    bench_line(name, tb, to)
 
 
 def msda_case(bs: int, queries: int, heads: int, channels: int, levels: list[tuple[int, int]], points: int) -> tuple:

@@ -10,10 +10,9 @@ Prints ``BENCH <name> baseline=<s> ours=<s> ratio=<baseline/ours>`` per case (se
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from _timing import bench_line, median_time
 
 
 def params(total: int, width: int = 1024) -> list[torch.nn.Parameter]:
@@ -29,13 +28,7 @@ def params(total: int, width: int = 1024) -> list[torch.nn.Parameter]:
 
 
 def step_time(opt: torch.optim.Optimizer, steps: int) -> float:
-    opt.step()  # state allocation happens on the first step: not timed
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_time(opt.step, steps, warmup=1)  # state allocation happens on the first step: not timed
 
 
 def main() -> None:
@@ -64,8 +57,7 @@ def main() -> None:
             b.append(step_time(base, steps))
             f.append(step_time(fused, steps))
         baseline, ours = min(b), min(f)
-        print(f"BENCH {name.lower()}_step_{n:.0f}M_params baseline={baseline:.6f} ours={ours:.6f} "
-              f"ratio={baseline / ours:.2f}", flush=True)
+        bench_line(f"{name.lower()}_step_{n:.0f}M_params", baseline, ours)
 
 if __name__ == "__main__":
     main()
