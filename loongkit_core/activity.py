@@ -27,6 +27,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 
+from loongkit_core.record import Record
+
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms in every booting process)
 if TYPE_CHECKING:
     from typing import Any
@@ -37,7 +39,7 @@ NODE_WAIT = 5.0  # how long local rank 0 waits at exit for the node's other rank
 
 
 # Plain classes, not dataclasses: a booting process imports this module (see loongkit_core.feature).
-class Totals:
+class Totals(Record):
     """One main process's view of a feature: its own calls and its DataLoader workers'."""
 
     __slots__ = ("calls", "worker_calls", "workers")
@@ -47,31 +49,19 @@ class Totals:
         self.worker_calls = worker_calls
         self.workers = workers  # distinct DataLoader worker ids that ran it
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Totals):
-            return NotImplemented
-        return (self.calls, self.worker_calls, self.workers) == (other.calls, other.worker_calls, other.workers)
-
-    __hash__ = None  # type: ignore[assignment]  # mutable
-
-    def __repr__(self) -> str:
-        return f"Totals(calls={self.calls}, worker_calls={self.worker_calls}, workers={self.workers})"
-
     def to_json(self) -> dict[str, int]:
         return {"calls": self.calls, "worker_calls": self.worker_calls, "workers": self.workers}
 
 
-class NodeView:
+class NodeView(Record):
     """Local rank 0's view of the node: each local rank's totals per feature (missing: no report)."""
 
     __slots__ = ("expected", "ranks")
+    _fields = ("ranks", "expected")
 
     def __init__(self, ranks: dict[int, dict[str, Totals]] | None = None, expected: int = 0) -> None:
         self.ranks: dict[int, dict[str, Totals]] = {} if ranks is None else ranks
         self.expected = expected
-
-    def __repr__(self) -> str:
-        return f"NodeView(ranks={self.ranks!r}, expected={self.expected})"
 
     def missing(self) -> list[int]:
         return [r for r in range(self.expected) if r not in self.ranks]

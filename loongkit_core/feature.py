@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import enum
 
+from loongkit_core.record import Record
+
 
 class Category(str, enum.Enum):
     """The groups of the product documentation's feature table."""
@@ -130,7 +132,7 @@ def _feature(fields: dict[str, object]) -> Feature:
     return Feature(**fields)  # type: ignore[arg-type]
 
 
-class PolicyDecision:
+class PolicyDecision(Record):
     """A hardware policy's say on one feature (seed: 'Hardware-aware default optimization policies').
 
     ``enabled_by_default`` replaces "on under LOONGKIT_ALL" (an explicit LOONGKIT_X still wins);
@@ -138,6 +140,7 @@ class PolicyDecision:
     """
 
     __slots__ = ("enabled_by_default", "option_defaults", "reason")
+    _fields = ("reason", "enabled_by_default", "option_defaults")
 
     def __init__(self, reason: str, enabled_by_default: bool | None = None,
                  option_defaults: dict[str, object] | None = None) -> None:
@@ -145,24 +148,12 @@ class PolicyDecision:
         self.enabled_by_default = enabled_by_default
         self.option_defaults: dict[str, object] = {} if option_defaults is None else option_defaults
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, PolicyDecision):
-            return NotImplemented
-        return (self.reason, self.enabled_by_default, self.option_defaults) == (
-            other.reason, other.enabled_by_default, other.option_defaults)
-
-    __hash__ = None  # type: ignore[assignment]  # mutable
-
-    def __repr__(self) -> str:
-        return (f"PolicyDecision(reason={self.reason!r}, enabled_by_default={self.enabled_by_default!r}, "
-                f"option_defaults={self.option_defaults!r})")
-
 
 _RECORD_FIELDS = ("feature", "state", "reason", "explicit", "enabled", "config", "calls", "activation_calls",
                   "worker_calls", "workers", "node", "applied_targets", "policy", "details")
 
 
-class FeatureRecord:
+class FeatureRecord(Record):
     """The run-time record of one declared feature; what the Summary prints."""
 
     __slots__ = _RECORD_FIELDS
@@ -187,16 +178,6 @@ class FeatureRecord:
         self.policy = policy  # the hardware policy that changed its defaults, if any
         # free-form facts for the JSON summary
         self.details: dict[str, object] = {} if details is None else details
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, FeatureRecord):
-            return NotImplemented
-        return all(getattr(self, n) == getattr(other, n) for n in _RECORD_FIELDS)
-
-    __hash__ = None  # type: ignore[assignment]  # mutable
-
-    def __repr__(self) -> str:
-        return "FeatureRecord(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in _RECORD_FIELDS) + ")"
 
     @property
     def active(self) -> bool:

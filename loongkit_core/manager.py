@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from loongkit_core.record import Record
+
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms in every booting process)
 if TYPE_CHECKING:
     from typing import Any
@@ -26,10 +28,12 @@ ENTRY_POINT_GROUP = "loongkit"  # hookspecs.ENTRY_POINT_GROUP, without importing
 # ~0.4 ms to build (plus ~6 ms for the dataclasses module where nothing else has imported it).
 
 
-class Fault:
+class Fault(Record):
     """Something a plugin did wrong: where, what, and the traceback."""
 
     __slots__ = ("error", "feature", "plugin", "traceback", "where")
+    _fields = ("plugin", "where", "error", "traceback", "feature")
+    _repr_fields = ("plugin", "where", "error", "feature")  # the traceback is in the log
 
     def __init__(self, plugin: str, where: str, error: str, traceback: str = "", feature: str | None = None) -> None:
         self.plugin = plugin
@@ -38,30 +42,17 @@ class Fault:
         self.traceback = traceback
         self.feature = feature
 
-    def _fields(self) -> tuple[object, ...]:
-        return self.plugin, self.where, self.error, self.traceback, self.feature
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Fault) and self._fields() == other._fields()
-
-    __hash__ = None  # type: ignore[assignment]  # mutable, like the dataclass it was
-
-    def __repr__(self) -> str:
-        return (f"Fault(plugin={self.plugin!r}, where={self.where!r}, error={self.error!r}, "
-                f"feature={self.feature!r})")
-
     def to_json(self) -> dict[str, object]:
         return {"plugin": self.plugin, "where": self.where, "error": self.error, "feature": self.feature}
 
 
-class LoadedPlugin:
+class LoadedPlugin(Record):
     __slots__ = ("distribution", "name", "obj", "version")
+    _fields = ("name", "distribution", "version", "obj")
+    _repr_fields = ("name", "distribution", "version")
 
     def __init__(self, name: str, distribution: str, version: str, obj: Any) -> None:
         self.name, self.distribution, self.version, self.obj = name, distribution, version, obj
-
-    def __repr__(self) -> str:
-        return f"LoadedPlugin(name={self.name!r}, distribution={self.distribution!r}, version={self.version!r})"
 
 
 class PluginManager:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import sys
 
+from loongkit_core.record import Record
+
 MAIN = "main"  # a training process (one per rank under torchrun)
 WORKER = "worker"  # a multiprocessing child: DataLoader workers (fork, spawn, forkserver) and the forkserver
 LAUNCHER = "launcher"  # torchrun's elastic agent or loongkit-run itself: starts others, trains nothing
@@ -33,7 +35,9 @@ def _int_env(name: str) -> int | None:
         return None
 
 
-class ProcessInfo:  # a plain class: building a dataclass costs ~0.5 ms in every booting process
+class ProcessInfo(Record):
+    __slots__ = ("role", "pid", "host", "rank", "local_rank", "world_size", "local_world_size")  # noqa: RUF023  # repr order
+
     def __init__(self, role: str, pid: int, host: str, rank: int | None, local_rank: int | None,
                  world_size: int | None, local_world_size: int | None) -> None:
         self.role = role
@@ -43,14 +47,6 @@ class ProcessInfo:  # a plain class: building a dataclass costs ~0.5 ms in every
         self.local_rank = local_rank
         self.world_size = world_size
         self.local_world_size = local_world_size
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ProcessInfo) and self.__dict__ == other.__dict__
-
-    __hash__ = None  # type: ignore[assignment]  # mutable (role and pid change after fork)
-
-    def __repr__(self) -> str:
-        return "ProcessInfo(" + ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items()) + ")"
 
     @property
     def prints_summary(self) -> bool:
@@ -65,7 +61,7 @@ class ProcessInfo:  # a plain class: building a dataclass costs ~0.5 ms in every
         return f"{self.pid}:{self.rank}:{self.local_rank}"
 
     def to_json(self) -> dict[str, object]:
-        return dict(self.__dict__)
+        return {n: getattr(self, n) for n in self._fields}
 
 
 def classify(argv: list[str]) -> str:
