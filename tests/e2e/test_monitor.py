@@ -114,7 +114,7 @@ def truth_figures(truth: list[Any]) -> dict[str, float]:
     walls = [t[0] for t in warm]
     waits = [t[1] for t in warm]
     deciles = statistics.quantiles(walls, n=10, method="inclusive")
-    return {"median": statistics.median(walls), "share": sum(waits) / sum(walls),
+    return {"median": statistics.median(walls), "share": sum(waits) / sum(walls), "wall": sum(walls),
             # the median's neighbourhood: a job whose steps fall into two modes (a prefetched epoch start, then
             # data-bound steps) has a median that jumps between them on a microsecond's difference in where a
             # step is cut, so the monitor's median must lie among the job's own middle steps, not on one value
@@ -137,11 +137,22 @@ def worker_cpu_truth(truth: list[Any]) -> float:
     return sum(rates)
 
 
+# One descheduling of the job on a loaded 2-core machine (load ~6: it waits out a few competitors' time
+# slices of ~3 ms on each core), seconds.
+DESCHEDULED_S = 0.01
+
+
 def assert_matches(d: dict[str, Any], truth: list[Any]) -> dict[str, float]:
     t = truth_figures(truth)
     assert d["steps"] == len(truth)
     assert t["p40"] / 1.05 <= d["step_median_s"] <= t["p60"] * 1.05, (d["step_median_s"], t)
-    assert d["data_wait_share"] == pytest.approx(t["share"], rel=0.05)
+    # The monitor's clock around a fetch sits inside the job's, which also holds the monitor's own wrapper
+    # (~15 us a step, measured: the monitor's share 0.5-1.7 % below the job's) and any descheduling that lands
+    # there: the monitor may see less wait than the job by that (one lost slice over the warm steps), never
+    # more than 5 % above it. The compute-bound job waits ~13 ms in all, so a plain 5 % (0.7 ms) failed on
+    # a single slice lost in those microseconds.
+    slack = DESCHEDULED_S / t["wall"]
+    assert t["share"] * 0.95 - slack <= d["data_wait_share"] <= t["share"] * 1.05, (d["data_wait_share"], t)
     return t
 
 
@@ -175,9 +186,14 @@ def test_compute_bound_has_no_data_recommendation(run_loongkit: Any, tmp_path: P
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_workers_fork_and_spawn(run_loongkit: Any, tmp_path: Path, context: str) -> None:
-    # 2 workers, 60 ms of CPU per batch each (30 ms per batch together) against 15 ms of compute
+    # 2 workers, 60 ms of CPU per batch each (30 ms per batch together) against 15 ms of compute. 120 steps:
+    # the monitor's worker CPU comes from samples 0.25 s apart, ended by the worker's last report after it
+    # has idled through the prefetched batches, and the truth from the items' stamps, which run ahead of the
+    # steps by the prefetch; up to ~0.45 s at the window's edges differs, and with the machine's load
+    # changing the workers' share of a CPU, 40 steps (a 1.2 s window) gave -13 % to +19 % at load 3-5 here,
+    # 120 steps (3.6 s) -9 % to +1 %.
     r, truth = run_job(run_loongkit, tmp_path, {"workers": 2, "context": context, "fetch": 0.03, "cpu": True,
-                                                "compute": 0.015, "steps": 40})
+                                                "compute": 0.015, "steps": 120})
     assert r.returncode == 0, r.stderr[-3000:]
     assert truth is not None
     d = monitor(r)
