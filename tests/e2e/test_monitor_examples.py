@@ -73,21 +73,41 @@ def monitor(r: Any) -> dict[str, Any]:
     return row["details"]["monitor"]
 
 
+def middle(values: list[float]) -> tuple[float, float]:
+    """The 40th and 60th percentiles of ``values``: the neighbourhood of their median."""
+    deciles = statistics.quantiles(values, n=10, method="inclusive")
+    return deciles[3], deciles[5]
+
+
 def assert_matches_own(d: dict[str, Any], own: list[tuple[float, float]]) -> None:
-    """Step median and median data wait within 5 % (+0.5 ms: the example prints to 0.1 ms and runs a
-    little loop code inside its data window); the data-wait share within 5 % or one point: on a loaded
-    machine the process is sometimes descheduled for a time slice (~8 ms) in the microseconds between
-    the example's clock and the DataLoader call, which the example counts as data time and the
-    monitor (rightly) does not."""
+    """The monitor's figures against the example's own, with margins from where the two clocks differ.
+
+    Steps: the monitor's boundary is its optimizer-step hook, the example's its clock just after
+    ``optimizer.step()``, so what the hook does after its own clock (sampling /proc at each of the first
+    boundaries, longer when the process is descheduled there) moves from one of the example's steps into the
+    monitor's next one. That cannot move the median further than a rank or two among the example's own
+    steps, but under load those steps spread out (35-118 ms at load 5 here, neighbours up to 13 ms apart:
+    the median moved 2.3 % with a few-millisecond shift), and the data-bound job's steps are bimodal (waiting
+    ones and prefetched ones: its median sits in the gap). So the monitor's median must lie among the
+    example's middle steps (40th-60th percentile, 5 % margin), as in test_monitor.py.
+
+    Data wait: the monitor's clock sits inside the example's data window, which also holds the example's
+    loop code (the format of the step's line with ``loss.item()``; measured 0.07-0.25 ms a step at load 5,
+    several times that on a slower or busier machine) and any time slice lost there (~8 ms). So the
+    monitor's figures are at most the example's (5 % for the clocks), and at most that below them: the median
+    1 ms or 5 %, the share (sums: every lost slice counts) two points or 5 % (measured: 0.65 point at load 5).
+    """
     from loongkit_monitor.analysis import warm_count
 
     assert d["steps"] == len(own)
     warm = own[warm_count(len(own)):]
     steps = [t for t, _ in warm]
-    assert d["step_median_s"] == pytest.approx(statistics.median(steps), rel=0.05)
-    assert d["data_wait_median_s"] == pytest.approx(statistics.median(w for _, w in warm), rel=0.05, abs=5e-4)
-    own_share = sum(w for _, w in warm) / sum(steps)
-    assert d["data_wait_share"] == pytest.approx(own_share, rel=0.05, abs=0.01)
+    low, high = middle(steps)
+    assert low / 1.05 <= d["step_median_s"] <= high * 1.05, (d["step_median_s"], low, high)
+    wait = statistics.median(w for _, w in warm)
+    assert wait - max(0.05 * wait, 1e-3) <= d["data_wait_median_s"] <= wait * 1.05, (d["data_wait_median_s"], wait)
+    share = sum(w for _, w in warm) / sum(steps)
+    assert share - max(0.05 * share, 0.02) <= d["data_wait_share"] <= share * 1.05, (d["data_wait_share"], share)
 
 
 @pytest.mark.slow
@@ -127,4 +147,5 @@ def test_hf_accelerate_steps_are_its_optimizer_steps(run_loongkit: Any) -> None:
     own = [float(t) for _, t, _ in STEP_LINE.findall(r.stdout)]
     assert len(own) == 6 and d["steps"] == 6  # Accelerate's wrapped optimizer counts once per step
     assert d["source"] == "optimizer AdamW.step"
-    assert d["step_median_s"] == pytest.approx(statistics.median(own[1:]), rel=0.05)
+    low, high = middle(own[1:])  # the monitor's warm steps (see assert_matches_own)
+    assert low / 1.05 <= d["step_median_s"] <= high * 1.05, (d["step_median_s"], own)
