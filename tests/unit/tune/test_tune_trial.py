@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from loongkit_monitor.tune import space, trial
 
 
@@ -114,6 +115,33 @@ def test_ctrl_c_ends_the_running_trial(tmp_path: Path, clean_env: dict[str, str]
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0 and "KeyboardInterrupt" in err
+    for _ in range(50):
+        if not _alive(child):
+            break
+        time.sleep(0.1)
+    assert not _alive(child)
+
+
+def test_ctrl_c_before_the_wait_still_ends_the_trial(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C that lands between starting the job and waiting for it (here: while the output reader
+    starts; CI hit it on a loaded machine) ends the trial too: a job left running kept its pipe open and
+    hung tune's exit on the reader's lock."""
+    pidfile = tmp_path / "job.pid"
+    job = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
+
+    class InterruptedStart(trial.threading.Thread):  # type: ignore[name-defined,misc]
+        def start(self) -> None:
+            for _ in range(300):  # the job is up: the interrupt lands with it running
+                if pidfile.exists() and pidfile.read_text():
+                    break
+                time.sleep(0.1)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(trial.threading, "Thread", InterruptedStart)
+    s = trial.Setup([sys.executable, "-c", job], {**os.environ}, 5, tmp_path, launcher=[])
+    with pytest.raises(KeyboardInterrupt):
+        trial.run(s, space.baseline(), 0, 1, timeout=600)
+    child = int(pidfile.read_text())
     for _ in range(50):
         if not _alive(child):
             break

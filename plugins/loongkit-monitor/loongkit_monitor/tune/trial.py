@@ -134,16 +134,19 @@ def run(setup: Setup, candidate: Candidate, index: int, attempt: int, timeout: f
     except OSError as exc:
         return TrialResult(candidate.key, attempt, None, 0.0, None, [], f"crashed: cannot start: {exc}", "crash")
     chunks: list[str] = []
-    reader = threading.Thread(target=_read, args=(proc, chunks, setup.echo, candidate.key), daemon=True)
-    reader.start()
     timed_out = False
+    # From here on, Ctrl-C (which reaches tune only: the trial runs in its own session) ends the trial
+    # before it propagates, wherever it lands; a job left running would also keep its output pipe open and
+    # hang this interpreter's exit on the reader thread's lock.
     try:
-        proc.wait(timeout=max(0.1, timeout))
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _stop(proc)
+        reader = threading.Thread(target=_read, args=(proc, chunks, setup.echo, candidate.key), daemon=True)
+        reader.start()
+        try:
+            proc.wait(timeout=max(0.1, timeout))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _stop(proc)
     except BaseException:
-        # Ctrl-C reaches tune only: the trial runs in its own session, so end it here, then stop.
         _stop(proc)
         raise
     wall = time.monotonic() - start
