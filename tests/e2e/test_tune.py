@@ -50,6 +50,12 @@ data = Waiting()
 sampler = DistributedSampler(data, shuffle=False) if distributed else None
 loader = DataLoader(data, batch_size=8, num_workers=0, sampler=sampler)
 for step, (x, y) in enumerate(loader):
+    # The step's own work (a wait, like the data): longer than two workers take per batch (240 ms / 2), so
+    # with two workers the main process is the bottleneck and every step lasts ~130 ms. Without it their
+    # steps alternate between the two workers' start offset and the rest of the 240 ms period, and the
+    # median is that offset (39 ms at load 2 here): a second worker started over 200 ms late (a loaded or
+    # slower machine) would leave workers=2 no 1.3x over the baseline.
+    time.sleep(0.13)
     loss = F.cross_entropy(model(x), y) + shift
     opt.zero_grad(); loss.backward(); opt.step()
     if int(os.environ.get("RANK", "0")) == 0:
