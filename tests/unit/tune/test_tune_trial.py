@@ -103,7 +103,12 @@ def test_ctrl_c_ends_the_running_trial(tmp_path: Path, clean_env: dict[str, str]
 
     pidfile = tmp_path / "job.pid"
     job = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
-    driver = ("import sys\nfrom pathlib import Path\nfrom loongkit_monitor.tune import space, trial\n"
+    # Python turns SIGINT into KeyboardInterrupt only where it was not ignored at its start, and a process
+    # started in the background by a non-interactive shell inherits it ignored (the CI replica's nox had
+    # SigIgn bit 1 set): there the driver never saw the signal and this waited out its 60 s. The driver
+    # takes the handling a tune run from a terminal has.
+    driver = ("import signal, sys\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+              "from pathlib import Path\nfrom loongkit_monitor.tune import space, trial\n"
               f"s = trial.Setup([sys.executable, '-c', {job!r}], {{}}, 5, Path({str(tmp_path)!r}), launcher=[])\n"
               "trial.run(s, space.baseline(), 0, 1, timeout=600)\n")
     proc = subprocess.Popen([sys.executable, "-c", driver], env=clean_env, stderr=subprocess.PIPE, text=True)
