@@ -259,20 +259,38 @@ def test_heap_bound_trims_only_a_heap_that_grew(monkeypatch: pytest.MonkeyPatch)
     assert trims == [940 * MiB, 1000 * MiB]
 
 
+# The heap pattern HeapBound exists for, made deterministic: each batch frees what it allocated, yet the
+# worker's resident memory grows. Each batch writes a ~40 MiB table from posix_memalign (as torch allocates
+# every tensor) and frees it, but a block that outlives the batch sits above it, so its hole stays inside the
+# heap, resident, and the next batch's table (64 KiB larger: images vary in size; glibc < 2.38 does the same
+# for equal sizes, serving an aligned request only from a chunk of the size plus the alignment plus a minimum
+# chunk) cannot reuse it and comes from the top: +40 MiB resident per batch. The block that outlives the
+# batch is made larger than any hole, so glibc must place it at the top, right above the table; it is never
+# written, so only its header page is resident. (Earlier versions used torch tensors and small blocks of
+# equal size: glibc carved the small blocks out of old holes or merged holes with the memalign remainders
+# beside them depending on the top's alignment, i.e. on what the interpreter had malloc'ed before, and the
+# growth varied from +64 to +320 MiB over 8 batches, so a bounded run sometimes never needed a trim.)
+# ctypes and no torch: no other thread allocates in between.
+TABLE_MIB = 40
 FRAGMENT = r"""
-import json, sys, torch
+import ctypes, json, sys
 from loongkit_data import allocator
 allocator.apply_glibc()
-torch.set_num_threads(1)
+libc = ctypes.CDLL(None)
+libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t]
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
 bound = allocator.HeapBound() if sys.argv[1] == "bounded" else None
 keep, seen = [], []
-for _ in range(8):
-    a = torch.ones(8 << 20)  # 32 MiB, posix_memalign'd like every torch tensor
-    b = -a
-    del a
-    keep.append(torch.empty(64))  # outlives the batch, allocated after the pair
-    c = b + 1
-    del b, c
+for i in range(8):
+    size = (int(sys.argv[2]) << 20) + i * (64 << 10)
+    table = ctypes.c_void_p()
+    assert libc.posix_memalign(ctypes.byref(table), 64, size) == 0
+    libc.memset(table, 1, size)  # the batch writes it: resident
+    keep.append(libc.malloc(size + (1 << 20)))  # outlives the batch; larger than any hole: at the top
+    libc.free(table)
     if bound is not None:
         bound.after_batch()
     seen.append((allocator.resident() or 0) >> 20)
@@ -281,39 +299,28 @@ print(json.dumps([seen, bound.to_json() if bound is not None else None]))
 
 
 def _grow_then_measure(bounded: bool) -> tuple[list[int], dict[str, int] | None]:
-    """8 batches of torch temporaries that glibc < 2.38 cannot reuse (a posix_memalign'd pair freed
-    below a small tensor that outlives the batch), tuned, in a fresh interpreter (the tuning must not
-    reach pytest, and pytest's own heap would hide the pattern); RSS in MiB after each batch, and the
-    bound's figures."""
+    """8 batches of the pattern above, tuned, in a fresh interpreter (the tuning must not reach pytest,
+    and pytest's own heap would hide the pattern); RSS in MiB after each batch, and the bound's figures."""
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", FRAGMENT, "bounded" if bounded else "unbounded"],
+    out = subprocess.run([sys.executable, "-c", FRAGMENT, "bounded" if bounded else "unbounded", str(TABLE_MIB)],
                          capture_output=True, text=True, check=True, timeout=300).stdout
     seen, bound = json.loads(out.strip().splitlines()[-1])
     return [int(x) for x in seen], bound
 
 
+@pytest.mark.skipif(allocator.libc_name()[0] != "glibc", reason="mallopt / malloc_trim are glibc's")
 def test_heap_bound_keeps_a_fragmenting_worker_near_one_batch() -> None:
-    # One batch's temporaries are three 32 MiB tensors: a clean batch may add up to that (plus a few MiB of
-    # small blocks), and the bound allows the floor above the largest clean batch. Clean batches differ:
-    # after a trim the small tensors that outlive a batch sit elsewhere, so the batch after a trim can
-    # hold one tensor more than the first did (CI: 354 then 385 MiB), which is why the cap is the first
-    # batch plus a whole working set plus the floor, not the first batch plus the floor.
-    cap = 3 * 32 + 4 + allocator.BOUND_FLOOR // MiB
-    # Tuned but unbounded: the heap grows by about a tensor per batch (measured: +32..+64 MiB each, +290 to
-    # +350 MiB over 8 batches). Where the small tensors land varies from run to run (not with the hash
-    # seed): about 1 run in 8 here stops growing after its second batch (+64 MiB), so the control gets
-    # three tries to show the same cap catches the growth.
-    runs = []
-    for _ in range(3):
-        runs.append(_grow_then_measure(False)[0])
-        if max(runs[-1]) - runs[-1][0] > cap:
-            break
-    unbounded = runs[-1]
-    assert max(unbounded) - unbounded[0] > cap, runs
+    # The bound allows the floor above the largest clean batch; a clean batch after a trim may sit one
+    # table higher than the first (the fenced holes stay mapped), hence one table plus the floor.
+    cap = TABLE_MIB + allocator.BOUND_FLOOR // MiB
+    unbounded, _ = _grow_then_measure(False)
+    # Tuned but unbounded: +40 MiB per batch (measured: 53 -> 335 MiB over 8 batches, in every run with
+    # hash seeds 0-9, environments of different sizes and two working directories).
+    assert max(unbounded) - unbounded[0] > cap, unbounded
     bounded, bound = _grow_then_measure(True)
-    assert bound is not None and bound["trims"] >= 1, (bounded, bound)
+    assert bound is not None and bound["trims"] >= 1, (bounded, bound)  # measured: 2 trims, 53 -> at most 94
     assert max(bounded) - bounded[0] <= cap, (bounded, bound)
     # What it reports is what it did: the worker never held more than the limit its own figures give
     # (1 MiB for the pages the loop itself touches between the bound's reading and the test's).
