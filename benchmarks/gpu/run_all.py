@@ -62,6 +62,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+# benchmarks/_timing.py (the CPU benchmarks' timer and BENCH line) travels with the tree like this folder.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _timing import bench_line, median_time
+
 HERE = Path(__file__).resolve().parent
 KERNEL_CASES = ("msda", "msda_fused", "daf", "bev_pool", "voxelize", "dice")
 CASES = (*KERNEL_CASES, "prefetch", "tf32", "compile")
@@ -105,12 +109,7 @@ def cuda_timer(fn: Callable[[], Any], reps: int, warmup: int = 3) -> float:
     import torch
 
     if DRY:  # no warm-up: the interpreter compiles nothing, and every call costs seconds
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        return median_time(fn, reps)
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -123,10 +122,6 @@ def cuda_timer(fn: Callable[[], Any], reps: int, warmup: int = 3) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1000)
     return statistics.median(times)
-
-
-def bench_line(name: str, baseline: float, ours: float) -> None:
-    print(f"BENCH {name} baseline={baseline:.6f} ours={ours:.6f} ratio={baseline / ours:.2f}", flush=True)
 
 
 def mmcv_msda() -> tuple[Callable[..., Any] | None, str]:
