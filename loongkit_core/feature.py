@@ -47,7 +47,7 @@ _FEATURE_DEFAULTS: dict[str, object] = {
 _FEATURE_FIELDS = ("name", "env", "level", "category", "description", *_FEATURE_DEFAULTS)
 
 
-class Feature:
+class Feature(Record):
     """A feature declared by a plugin, always by keyword (``Feature(name=..., env=..., ...)``); frozen.
 
     ``name`` is the lower-case key used in the Summary (``allow_tf32``); ``env`` the variable
@@ -113,19 +113,11 @@ class Feature:
     def __delattr__(self, name: str) -> None:
         raise AttributeError(f"cannot delete field {name!r}: a Feature is frozen")
 
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is not self.__class__:
-            return NotImplemented
-        return self._key() == other._key()  # type: ignore[attr-defined]
-
-    def __hash__(self) -> int:
+    def __hash__(self) -> int:  # frozen: hashable, unlike other records (equality and repr: Record's)
         return hash(self._key())
 
     def __reduce__(self) -> tuple[object, tuple[dict[str, object]]]:
         return _feature, (self.fields(),)
-
-    def __repr__(self) -> str:
-        return "Feature(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in _FEATURE_FIELDS) + ")"
 
 
 def _feature(fields: dict[str, object]) -> Feature:
