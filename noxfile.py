@@ -44,6 +44,9 @@ def _install_loongkit(session: nox.Session) -> None:
     session.install("-U", "pip", "wheel", "setuptools<81")
     session.install(TORCH)
     session.install("-e", ".", *[f"-e{p}" for p in PLUGINS], *TEST_DEPS)
+    # The seed's names (`loongkit`: import loongkit.all, <site-packages>/loongkit/prelude/), not editable so
+    # that the prelude directory exists where the seed's recipe looks; --no-deps keeps the editable packages.
+    session.install("--no-deps", str(ROOT / "meta" / "loongkit"))
 
 
 @nox.session(tags=["test"])
@@ -63,21 +66,19 @@ def tests(session: nox.Session) -> None:
                 "--only", "startup_nofeature,startup_all1,startup_all3,startup_spawn_worker")
 
 
-def _mmcv_wheel(session: nox.Session, version: str, cuda: bool = False) -> str:
-    """Path of a cached mmcv wheel with CPU ops (with CUDA ops too when ``cuda``, kept apart in
-    WHEELS/cuda); build it (~8 min on 2 cores for CPU ops) when missing."""
+def _mmcv_wheel(session: nox.Session, requirement: str, cuda: bool = False, cxx_std: str | None = None) -> str:
+    """Path of a cached wheel of ``requirement`` (mmcv or mmcv-full) with CPU ops (with CUDA ops too when
+    ``cuda``, kept apart in WHEELS/cuda); built from the registry's sdist when missing, by
+    tools/mmcv_wheel.py (no debug information, one job per CPU, progress with an estimate of the time left)."""
     cache = WHEELS / "cuda" if cuda else WHEELS
-    cache.mkdir(parents=True, exist_ok=True)
-    found = sorted(cache.glob(f"mmcv-{version}-*.whl"))
+    name, _, version = requirement.partition("==")
+    pattern = f"{name.replace('-', '_')}-{version}-*.whl"
+    found = sorted(cache.glob(pattern))
     if not found:
-        session.log(f"building mmcv {version} with {'CUDA and ' if cuda else ''}CPU ops into {cache} "
-                    "(one time, ~8 minutes on 2 cores)")
-        session.install("ninja", "psutil", "mmengine==0.10.7")
-        session.run("pip", "wheel", "--no-cache-dir", "--no-build-isolation", "--no-deps", f"mmcv=={version}",
-                    "-w", str(cache),
-                    env={"MMCV_WITH_OPS": "1", "FORCE_CUDA": "1" if cuda else "0",
-                         "MAX_JOBS": str(os.cpu_count() or 2)})
-        found = sorted(cache.glob(f"mmcv-{version}-*.whl"))
+        session.install("ninja", "psutil")
+        session.run("python", str(ROOT / "tools" / "mmcv_wheel.py"), requirement, "--out", str(cache),
+                    *(["--cuda"] if cuda else []), *(["--cxx-std", cxx_std] if cxx_std else []))
+        found = sorted(cache.glob(pattern))
     return str(found[-1])
 
 
@@ -86,7 +87,7 @@ def stack2(session: nox.Session) -> None:
     """Integration tests on the OpenMMLab 2.x stack (mmcv 2.1.0, mmengine 0.10.7, mmdet 3.3, mmseg 1.2)."""
     _install_loongkit(session)
     session.install("ninja", "psutil", "mmengine==0.10.7")
-    session.install(_mmcv_wheel(session, "2.1.0"))
+    session.install(_mmcv_wheel(session, "mmcv==2.1.0"))
     session.install("mmdet==3.3.0", "mmsegmentation==1.2.2", "ftfy", "regex")
     session.run("pytest", "-m", "integration and not stack1", *session.posargs,
                 env={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"})
@@ -127,7 +128,7 @@ def main(session: nox.Session) -> None:
     probe = "import torch; print(int(torch.cuda.is_available()))"
     gpu = (session.run("python", "-c", probe, silent=True) or "").strip() == "1"
     cuda = gpu and shutil.which("nvcc") is not None
-    session.install(_mmcv_wheel(session, "2.1.0", cuda=cuda))
+    session.install(_mmcv_wheel(session, "mmcv==2.1.0", cuda=cuda))
     session.install("mmdet==3.3.0")
     env = {}
     if gpu and not cuda:
@@ -146,36 +147,14 @@ def main(session: nox.Session) -> None:
 TORCH1 = ("torch==2.14.1", "torchvision==0.29.1")
 
 
-def _mmcv_full_wheel(session: nox.Session, version: str) -> str:
-    """Path of a cached mmcv-full wheel with CPU ops; build it (~7 min on 2 cores) when missing.
-
-    torch 2.14's headers need C++20 and mmcv-full's setup.py hard-codes -std=c++17: the sdist is
-    unpacked and patched before the build.
-    """
-    WHEELS.mkdir(parents=True, exist_ok=True)
-    found = sorted(WHEELS.glob(f"mmcv_full-{version}-*.whl"))
-    if not found:
-        session.log(f"building mmcv-full {version} with CPU ops into {WHEELS} (one time, ~7 minutes)")
-        src = Path(session.create_tmp()) / "mmcv-full-src"
-        src.mkdir(exist_ok=True)
-        session.run("pip", "download", "--no-build-isolation", "--no-deps", "--no-binary", ":all:",
-                    f"mmcv-full=={version}", "-d", str(src))
-        session.run("tar", "xf", str(src / f"mmcv-full-{version}.tar.gz"), "-C", str(src), external=True)
-        setup = src / f"mmcv-full-{version}" / "setup.py"
-        setup.write_text(setup.read_text().replace("-std=c++17", "-std=c++20"))
-        session.run("pip", "wheel", "--no-build-isolation", "--no-deps", str(setup.parent), "-w", str(WHEELS),
-                    env={"MMCV_WITH_OPS": "1", "FORCE_CUDA": "0", "MAX_JOBS": str(os.cpu_count() or 2)})
-        found = sorted(WHEELS.glob(f"mmcv_full-{version}-*.whl"))
-    return str(found[-1])
-
-
 @nox.session(tags=["test"])
 def stack1(session: nox.Session) -> None:
     """Integration tests marked stack1 on the OpenMMLab 1.x stack (mmcv-full 1.7.2, mmdet 2.28, mmseg 0.30)."""
     session.install("-U", "pip", "wheel", "setuptools<81")
     session.install(*TORCH1, "ninja", "psutil")
     session.install("-e", ".", *[f"-e{p}" for p in PLUGINS], *TEST_DEPS)
-    session.install(_mmcv_full_wheel(session, "1.7.2"))
+    # torch 2.14's headers need C++20; mmcv-full 1.7.2's setup.py hard-codes -std=c++17.
+    session.install(_mmcv_wheel(session, "mmcv-full==1.7.2", cxx_std="c++20"))
     session.install("mmdet==2.28.2", "mmsegmentation==0.30.0")
     session.run("pytest", "-m", "stack1", *session.posargs)
 
