@@ -1,0 +1,3 @@
+from loongkit.prelude import PATH
+
+print(PATH)
