@@ -448,11 +448,14 @@ class Runtime:
                     pass  # too late to fail the run; it is in the log and the Summary
 
     # -- summary -------------------------------------------------------------------------------
-    def summary_text(self, extra: list[str] | None = None) -> str:
+    def summary_text(self, extra: list[str] | None = None, full: bool = False) -> str:
+        """The Summary as printed on stdout (lines within summary.LINE_WIDTH), or ``full``: nothing
+        shortened, for a log file."""
         extra = self.summary_extra() if extra is None else extra
         from loongkit_core import summary as summary_mod  # at exit only (workers never render one)
 
-        return summary_mod.render(list(self.records.values()), self.manager.faults, extra, log.log_path())
+        return summary_mod.render(list(self.records.values()), self.manager.faults, extra, log.log_path(),
+                                  line_width=None if full else summary_mod.LINE_WIDTH)
 
     def summary_extra(self) -> list[str]:
         """The lines under the table: hardware-policy notes, disabled plugins, plugins' own sections."""
@@ -497,7 +500,8 @@ class Runtime:
                 except (OSError, ValueError):
                     pass
             if destination is None or destination.kind != "stdout" or not printed:
-                log.write_block(text)
+                # a log file keeps every detail; a log on stdout/stderr is a terminal: the short form
+                log.write_block(self.summary_text(extra, full=True) if log.log_path() else text)
             if self.settings.summary_json:
                 from loongkit_core import summary as summary_mod
 

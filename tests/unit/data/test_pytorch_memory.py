@@ -396,7 +396,10 @@ def test_end_to_end_workers_tuned(run_loongkit: Any, tmp_path: Any, method: str)
     assert "pytorch                        *" in result.stdout
     # Each worker reported its bound (in the activity directory) to the main process's Summary.
     assert "pytorch: worker memory bound in force: 2 worker(s)" in result.stdout
-    assert "in 4 batches" in result.stdout
+    # the whole line in the JSON (stdout wraps lines longer than the Summary's LINE_WIDTH)
+    bound = [line for line in result.summary["extra"]
+             if line.startswith("pytorch: worker memory bound in force: 2 worker(s)")]
+    assert len(bound) == 1 and "in 4 batches" in bound[0], result.summary["extra"]
     assert "RLIMIT_NOFILE" in result.logs()
 
 

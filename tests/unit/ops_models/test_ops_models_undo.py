@@ -1,6 +1,7 @@
 """BEVFORMER, UNIAD and DAG undo through the default FeatureImpl.deactivate (ctx.patcher.undo()): apply ->
 undo -> every class, module global and Registry exactly as before -> apply again patches again. And the
-Summary's text row of BEVFORMER and UNIAD names every class they patched (issue 16).
+Summary's row of BEVFORMER and UNIAD names every class they patched (issue 16): in full in the log and the
+JSON; on stdout, within 120 characters, the classes that fit and a count of the others (issue 23).
 
 Against the upstream-style test modules registered in the mmcv 1.x Registry double (and a Sparse4D-style
 project, tests/integration/ops_kernels/upstream_sparse4d_project.py, registering in it as
@@ -23,7 +24,7 @@ from loongkit_ops.plugin import plugin
 
 from loongkit_core.context import ActivationContext
 from loongkit_core.kit import FeatureImpl
-from loongkit_core.summary import render
+from loongkit_core.summary import LINE_WIDTH, render
 
 HERE = Path(__file__).parent
 TARGET = "mmcv.utils.registry"
@@ -153,10 +154,28 @@ def test_dag_apply_undo_apply(mmcv1: types.ModuleType, tmp_path: Path) -> None:
             del sys.modules[name]
 
 
-def summary_row(ctx: ActivationContext) -> str:
+def summary_row(ctx: ActivationContext, line_width: int | None = None) -> str:
+    """The feature's row: in full (the log file's Summary) by default, else as stdout prints it."""
     ctx.record.enabled = True  # the test's record: render lists enabled features only
-    (row,) = [line for line in render([ctx.record]).splitlines() if line.startswith(ctx.feature.name)]
+    (row,) = [line for line in render([ctx.record], line_width=line_width).splitlines()
+              if line.startswith(ctx.feature.name)]
     return row
+
+
+def assert_every_class_in_the_summary(ctx: ActivationContext) -> None:
+    """Every patched class: named in the log's row and in the JSON Summary; stdout's row (within LINE_WIDTH)
+    names those that fit and counts exactly the others."""
+    assert isinstance(ctx.config, dict)
+    full = summary_row(ctx)
+    for name in ctx.config:
+        assert name in full, full
+    assert ctx.record.to_json()["config"] == ctx.config
+    short = summary_row(ctx, LINE_WIDTH)
+    assert len(short) <= LINE_WIDTH, short
+    shown = [name for name in ctx.config if repr(name) in short]
+    assert shown, short
+    if len(shown) < len(ctx.config):
+        assert short.endswith(f"+{len(ctx.config) - len(shown)} more}}  [disabled]"), short
 
 
 FORK_DECODER = """
@@ -192,10 +211,7 @@ def test_bevformer_summary_row_names_every_class(mmcv1: types.ModuleType, monkey
             "TemporalSelfAttention": "loongkit::ms_deform_attn_fused",
             "CustomMSDeformableAttention": "loongkit::ms_deform_attn",
         }, ctx.config
-        row = summary_row(ctx)
-        for name in ("MultiScaleDeformableAttention", "SpatialCrossAttention", "MSDeformableAttention3D",
-                     "TemporalSelfAttention", "CustomMSDeformableAttention"):
-            assert name in row, row
+        assert_every_class_in_the_summary(ctx)
     finally:
         impl.deactivate(ctx)
         sys.modules.pop("lk_decoder_fork", None)
@@ -214,6 +230,7 @@ def test_uniad_summary_row_names_every_class(mmcv1: types.ModuleType) -> None:
             "CollisionLoss": "vectorised",
         }, ctx.config
         assert "CollisionLoss" in summary_row(ctx)
+        assert_every_class_in_the_summary(ctx)
     finally:
         impl.deactivate(ctx)
 
