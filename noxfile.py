@@ -54,7 +54,10 @@ def tests(session: nox.Session) -> None:
     """Unit and end-to-end tests without the OpenMMLab stacks."""
     _install_loongkit(session)
     session.install(*HF_DEPS, TRITON)
-    session.run("pytest", "-m", "not integration", *session.posargs)
+    # Each plugin's unit tests run once, in its plugin-<name> session (the plugin installed alone, as a
+    # wheel): running them here too cost CI their time twice for no behaviour the other run misses.
+    ignore = [f"--ignore={path}" for plugin in PLUGINS for path in _plugin_unit_tests(Path(plugin))]
+    session.run("pytest", "-m", "not integration", "-rs", *ignore, *session.posargs)
     # Guard start-up (issue 18): a heavy import sneaking into the fast path, the boot of a process that
     # reuses its job's resolution, or a spawned worker's, fails the build. --check compares each case's CPU
     # time and peak RSS over bare Python with its goal (no feature 2 ms / 0.5 MiB, LOONGKIT_ALL=1 60 ms /
@@ -163,10 +166,16 @@ def stack1(session: nox.Session) -> None:
 PLUGIN_TEST_DEPS = {"ops": [*HF_DEPS, TRITON]}
 
 
+def _plugin_unit_tests(plugin: Path) -> list[str]:
+    """A plugin's unit-test folders: tests/unit/<name> and tests/unit/<name>_*."""
+    name = plugin.name.removeprefix("loongkit-")
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "unit").glob(f"{name}*")
+                  if p.is_dir() and (p.name == name or p.name.startswith(f"{name}_")))
+
+
 def _plugin_session(plugin: Path) -> None:
     name = plugin.name.removeprefix("loongkit-")
-    tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "unit").glob(f"{name}*")
-                   if p.is_dir() and (p.name == name or p.name.startswith(f"{name}_")))
+    tests = _plugin_unit_tests(plugin)
 
     # In CI ("test"): ~11 min for the five on 2 cores (ops 5.6, data 1.7, numa 1.2, monitor 1.1, precision 0.9).
     @nox.session(name=f"plugin-{name}", tags=["plugins", "test"])
@@ -175,7 +184,8 @@ def _plugin_session(plugin: Path) -> None:
         session.install(TORCH)
         session.install(".", str(plugin), *TEST_DEPS, *PLUGIN_TEST_DEPS.get(name, []))
         # The tests import the installed wheels (pytest's importlib mode keeps the checkout off sys.path).
-        session.run("pytest", "-m", "not integration", *tests, "tests/unit/test_conformance.py", *session.posargs)
+        session.run("pytest", "-m", "not integration", "-rs", *tests, "tests/unit/test_conformance.py",
+                    *session.posargs)
         if f"plugins/{plugin.name}" in KERNEL_PLUGINS:  # its prebuilt kernels, loaded with no compiler reachable
             _wheel_tests(session, Path(session.create_tmp()).resolve())
 
