@@ -110,7 +110,8 @@ def test_pip_install_loongkit_brings_the_core_and_plugins() -> None:
 
 
 def test_wheel_ships_the_prelude(tmp_path: Path) -> None:
-    """The non-editable install puts loongkit/prelude/sitecustomize.py under site-packages: it is in the wheel."""
+    """The non-editable install puts loongkit/prelude/sitecustomize.py under site-packages, with the marker that
+    makes loongkit_core's prelude skip that directory: both are in the wheel."""
     pytest.importorskip("setuptools")
     source = tmp_path / "src"
     shutil.copytree(META, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
@@ -120,7 +121,7 @@ def test_wheel_ships_the_prelude(tmp_path: Path) -> None:
     (wheel,) = (tmp_path / "dist").glob("loongkit-0.1.0-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"loongkit/__init__.py", "loongkit/all.py", "loongkit/prelude/__init__.py",
-            "loongkit/prelude/sitecustomize.py"} <= names, names
+            "loongkit/prelude/sitecustomize.py", "loongkit/prelude/LOONGKIT_PRELUDE"} <= names, names
 
 
 def test_seed_pythonpath_recipe(tmp_path: Path) -> None:
@@ -183,12 +184,15 @@ def test_prelude_path_command() -> None:
         assert path.resolve() == (site_packages() / "loongkit" / "prelude").resolve()
 
 
-# Both prelude directories on PYTHONPATH, in either order, with the user's own sitecustomize after them,
-# and the other loaders stacked on top: the user's file runs once per process, loongkit boots once.
+# The seed's prelude directory alone (its recipe) or with loongkit_core's, in either order, the user's own
+# sitecustomize after them (or between them), and the other loaders stacked on top: the user's file runs
+# once per process, loongkit boots once.
 ORDERS = {
-    "seed-first": ("seed", "core"),
-    "core-first": ("core", "seed"),
-    "seed-twice": ("seed", "core", "seed"),
+    "seed-only": ("seed", "user"),
+    "seed-first": ("seed", "core", "user"),
+    "core-first": ("core", "seed", "user"),
+    "seed-twice": ("seed", "core", "seed", "user"),
+    "user-between": ("seed", "user", "core"),
 }
 STACKED = {
     "python": "{python} train.py",
@@ -207,8 +211,8 @@ def test_both_preludes_chain_once_and_boot_once(tmp_path: Path, order: str, laun
     (user / "sitecustomize.py").write_text(
         "import os, sys\n"
         f"if os.path.basename(sys.argv[0]) == 'train.py': open({str(marker)!r}, 'a').write('ran\\n')\n")
-    dirs = {"seed": str(prelude), "core": prelude_dir()}
-    path = os.pathsep.join([*(dirs[name] for name in ORDERS[order]), str(user)])
+    dirs = {"seed": str(prelude), "core": prelude_dir(), "user": str(user)}
+    path = os.pathsep.join(dirs[name] for name in ORDERS[order])
     line = f"PYTHONPATH={shlex.quote(path)} LOONGKIT_ALL=1 " + STACKED[launch].format(python="python")
     r = shell(line, tmp_path / "run", script=LIGHT)
     assert r.returncode == 0, r.stderr
@@ -224,8 +228,8 @@ def test_user_sitecustomize_runs_once_without_variables(tmp_path: Path, order: s
     user.mkdir()
     (user / "sitecustomize.py").write_text("import sys\nsys.user_sitecustomize_runs = "
                                            "getattr(sys, 'user_sitecustomize_runs', 0) + 1\n")
-    dirs = {"seed": str(prelude), "core": prelude_dir()}
-    path = os.pathsep.join([*(dirs[name] for name in ORDERS[order]), str(user)])
+    dirs = {"seed": str(prelude), "core": prelude_dir(), "user": str(user)}
+    path = os.pathsep.join(dirs[name] for name in ORDERS[order])
     code = "import sys\nprint('runs', sys.user_sitecustomize_runs)\n" + HEAVY_PROBE
     r = run_snippet(code, {"PYTHONPATH": path}, tmp=tmp_path / "run", prelude=False)
     assert r.returncode == 0, r.stderr
