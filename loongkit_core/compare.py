@@ -11,6 +11,11 @@ difference), then shows loongkit's Feature Summary. ``--json`` and ``--png`` wri
 machine whose load changes during the job weighs on both sides alike: step and data times pool every
 run's warm steps, the table adds each run's median, and the losses of a side's runs must agree with
 each other (a nondeterministic job says so: its loss comparison then measures the job, not loongkit).
+
+Each run shows its progress on stderr: the logged steps so far (lines with a ``loss`` or ``time`` figure),
+out of the previous run's count (the first run: out of the script's own ``i/N`` when it prints one), and
+the time left at the mean step time so far. On a terminal one line is updated in place; elsewhere (nox,
+CI logs) a line is printed every 15 s, none for a shorter run.
 """
 
 from __future__ import annotations
@@ -39,6 +44,11 @@ PATTERNS = {
     "time": re.compile(rf"(?<![\w.])(?:step_)?time['\"]?\s*[:=]\s*{NUMBER}"),
     "data_time": re.compile(rf"(?<![\w.])data_time['\"]?\s*[:=]\s*{NUMBER}"),
 }
+# A script's own step counter, "12/40": whole numbers only, not part of a date (2024/01/02) or a decimal.
+FRACTION = re.compile(r"(?<![\d/.])(\d+)\s*/\s*(\d+)(?![\d/.])")
+PROGRESS_EVERY_S = 15.0  # off a terminal: one progress line per this many seconds (a CI log stays readable)
+# Overrides it (tests: a fast cadence). Not LOONGKIT_*: the loongkit run inherits those as settings.
+PROGRESS_ENV = "_LOONGKIT_COMPARE_PROGRESS_S"
 
 
 @dataclass
@@ -62,6 +72,11 @@ class RunStats:
     def median(self, values: list[float]) -> float | None:
         warm = self.warm(values)
         return statistics.median(warm) if warm else None
+
+    def logged_steps(self) -> int | None:
+        """The steps a completed run logged, as StepCounter counts them (None: failed, or no step logged)."""
+        steps = max(len(self.losses), len(self.step_times))
+        return steps if self.returncode == 0 and steps else None
 
 
 def pool(runs: list[RunStats]) -> RunStats:
@@ -119,22 +134,118 @@ def _environ(base: dict[str, str], loongkit: bool, level: int, summary_json: str
     return env
 
 
-class _Spinner:
-    """A one-line progress indicator on stderr for long phases (only on a terminal)."""
+class StepCounter:
+    """A run's logged steps as its output streams, counted as :func:`parse_metrics` will read them: the larger
+    of its loss and time counts (at most one each per line), up to the Feature Summary.
 
-    def __init__(self, label: str) -> None:
+    With ``hint``, also the total the script's own ``i/N`` gives, once two consecutive steps agree on it
+    (same N, i tracking the count, 1- or 0-based): a date never does, a per-epoch counter ("[2][1/50]")
+    stops agreeing when its second epoch starts, and then no total is shown.
+    ``state`` is one tuple (steps, first step's and latest step's time.monotonic()) so that the display
+    thread reads a consistent triple.
+    """
+
+    def __init__(self, hint: bool = False) -> None:
+        self.losses = 0
+        self.times = 0
+        self.state: tuple[int, float, float] = (0, 0.0, 0.0)
+        self.script_total: int | None = None
+        self._hint = hint
+        self._candidates: set[tuple[int, int]] = set()
+        self._done = False
+
+    def feed(self, line: str) -> None:
+        # Three substring scans (~0.1 us) reject almost every line; the regexes run only where a pattern
+        # could match (each pattern contains "loss" or "time" literally).
+        if self._done or ("loss" not in line and "time" not in line and "Feature Summary" not in line):
+            return
+        before = max(self.losses, self.times)
+        for part in line.splitlines():  # parse_metrics' lines: one streamed line may hold several (\f, \x1c, ...)
+            if "Feature Summary" in part:
+                self._done = True
+                break
+            if PATTERNS["loss"].search(part):
+                self.losses += 1
+            if PATTERNS["time"].search(part):
+                self.times += 1
+        steps = max(self.losses, self.times)
+        if steps > before:
+            now = time.monotonic()
+            self.state = (steps, self.state[1] if before else now, now)
+            if self._hint:
+                self._read_total(line, steps)
+
+    def _read_total(self, line: str, steps: int) -> None:
+        found: set[tuple[int, int]] = set()
+        for i, n in FRACTION.findall(line):
+            offset, total = int(i) - steps, int(n)
+            if offset in (0, -1) and total >= steps:
+                found.add((offset, total))
+        self.script_total = max((total for _, total in found & self._candidates), default=None)
+        self._candidates = found
+
+
+def progress_text(steps: int, total: int | None, start: float, first: float, last: float, now: float) -> str:
+    """``step 12/40, 21 s so far, ~48 s left``. The time left is the mean step time since the first step (the
+    start-up before it is no step) times the steps left, less the time the current step has already run."""
+    if total is not None and steps > total:
+        total = None  # this run logs more than the previous one: no total to go by
+    text = f"step {steps}/{total}" if total else f"step {steps}" if steps else "no step logged yet"
+    text += f", {now - start:.0f} s so far"
+    if total and steps >= 2:
+        left = (last - first) / (steps - 1) * (total - steps) - (now - last)
+        text += f", ~{max(left, 0.0):.0f} s left"
+    return text
+
+
+def progress_every() -> float:
+    """Seconds between progress lines off a terminal (PROGRESS_EVERY_S, or PROGRESS_ENV); 0: none."""
+    try:
+        every = float(os.environ.get(PROGRESS_ENV, PROGRESS_EVERY_S))
+    except ValueError:
+        return PROGRESS_EVERY_S
+    return every if math.isfinite(every) and every > 0 else 0.0
+
+
+class _Spinner:
+    """A one-line progress indicator on stderr for long phases.
+
+    On a terminal: one line updated in place every 0.5 s, the elapsed seconds, or with ``steps`` the step
+    count, total and time left (:func:`progress_text`). Elsewhere (a pipe: nox, CI logs) only with ``steps``
+    and ``every``: a line every ``every`` seconds, so none for a phase shorter than that.
+    """
+
+    def __init__(self, label: str, steps: StepCounter | None = None, total: int | None = None,
+                 every: float = 0.0) -> None:
         self.label = label
+        self.steps = steps
+        self.total = total
+        self.stream = sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.period = 0.5 if self.tty else every
+        self._width = 0  # the longest line written in place, to blank it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._spin, daemon=True)
 
     def _spin(self) -> None:
         start = time.monotonic()
-        while not self._stop.wait(0.5):
-            sys.stderr.write(f"\r{self.label} ... {time.monotonic() - start:5.0f} s")
-            sys.stderr.flush()
+        while not self._stop.wait(self.period):
+            now = time.monotonic()
+            if self.steps is None:
+                line = f"{self.label} ... {now - start:5.0f} s"
+            else:
+                steps, first, last = self.steps.state
+                total = self.total if self.total is not None else self.steps.script_total
+                line = f"{self.label} {progress_text(steps, total, start, first, last, now)}"
+            if self.tty:
+                self.stream.write("\r" + line.ljust(self._width))
+                self._width = max(self._width, len(line))
+            else:
+                self.stream.write(line + "\n")
+            self.stream.flush()
 
     def __enter__(self) -> _Spinner:
-        if sys.stderr.isatty():
+        if self.tty or (self.steps is not None and self.period > 0):
             self._thread.start()
         return self
 
@@ -142,19 +253,24 @@ class _Spinner:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
-            sys.stderr.write("\r" + " " * (len(self.label) + 12) + "\r")
+            if self.tty:
+                self.stream.write("\r" + " " * self._width + "\r")
+                self.stream.flush()
 
 
 def run_once(command: list[str], env: dict[str, str], label: str, echo: bool, progress: str | None = None,
-             ) -> RunStats:
+             total: int | None = None) -> RunStats:
+    """Run ``command`` once; ``total``: the previous completed run's logged steps, for the progress line."""
     stats = RunStats(label)
+    counter = StepCounter(hint=total is None)
     start = time.perf_counter()
-    with _Spinner(f"running {progress or label}"):
+    with _Spinner(f"loongkit compare: {progress or label}", counter, total, progress_every()):
         proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert proc.stdout is not None
         chunks = []
         for line in proc.stdout:
             chunks.append(line)
+            counter.feed(line)
             if echo:
                 sys.stdout.write(f"[{label}] {line}")
         _, status, usage = os.wait4(proc.pid, 0)
@@ -296,14 +412,17 @@ def main(args: argparse.Namespace) -> int:
     launcher = shutil.which("loongkit-run") or os.path.join(os.path.dirname(sys.executable), "loongkit-run")
     base_runs: list[RunStats] = []
     our_runs: list[RunStats] = []
+    total: int | None = None  # the previous completed run's step count: both sides train the same steps
     for i in range(args.repeat):  # alternating, so load that changes over time weighs on both sides
         suffix = f" {i + 1}/{args.repeat}" if args.repeat > 1 else ""
         base_runs.append(run_once(command, _environ(base_env, False, args.level, summary_json), "baseline",
-                                  args.echo, progress=f"baseline{suffix}"))
+                                  args.echo, progress=f"baseline{suffix}", total=total))
+        total = base_runs[-1].logged_steps() or total
         # The first loongkit run's Summary JSON is the one reported (later runs write elsewhere).
         our_json = summary_json if i == 0 else os.path.join(tmp, f"summary.{i}.json")
         our_runs.append(run_once([launcher, *command], _environ(base_env, True, args.level, our_json), "loongkit",
-                                 args.echo, progress=f"loongkit{suffix}"))
+                                 args.echo, progress=f"loongkit{suffix}", total=total))
+        total = our_runs[-1].logged_steps() or total
     base, ours = pool(base_runs), pool(our_runs)
     losses = compare_losses(base.losses, ours.losses, args.losses)
     agreement = (repeat_agreement(base_runs, args.losses), repeat_agreement(our_runs, args.losses))
