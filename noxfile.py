@@ -123,16 +123,21 @@ def main(session: nox.Session) -> None:
 
     args = list(session.posargs)
     example = args.pop(0) if args and args[0] in EXAMPLES else "bev"
-    session.install("-U", "pip", "wheel", "setuptools<81")
-    session.install(TORCH, "ninja", "psutil", "mmengine==0.10.7", "matplotlib")
-    session.install("-e", ".", *[f"-e{p}" for p in PLUGINS])
+    # Each phase says what it does and about how long it takes (2 vCPUs, nothing cached); pip's own
+    # output is shown (nox hides it by default), so a long install is seen to move.
+    session.log("phase 1/4: installing torch 2.13.0, mmengine, matplotlib (about 1 min)")
+    session.install("-U", "pip", "wheel", "setuptools<81", silent=False)
+    session.install(TORCH, "ninja", "psutil", "mmengine==0.10.7", "matplotlib", silent=False)
+    session.log("phase 2/4: installing loongkit-core and its plugins, compiling their CPU kernels (about 2 min)")
+    session.install("-e", ".", *[f"-e{p}" for p in PLUGINS], silent=False)
     # On a GPU with a CUDA toolkit, build mmcv with CUDA ops too: RetinaNet's FocalLoss calls them for
     # CUDA tensors. A GPU without nvcc gets CPU ops, and the example then trains on the CPU.
     probe = "import torch; print(int(torch.cuda.is_available()))"
     gpu = (session.run("python", "-c", probe, silent=True) or "").strip() == "1"
     cuda = gpu and shutil.which("nvcc") is not None
-    session.install(_mmcv_wheel(session, "mmcv==2.1.0", cuda=cuda))
-    session.install("mmdet==3.3.0")
+    session.log("phase 3/4: mmcv 2.1.0 with its ops (a cached wheel, else built: progress below) and mmdet 3.3.0")
+    session.install(_mmcv_wheel(session, "mmcv==2.1.0", cuda=cuda), silent=False)
+    session.install("mmdet==3.3.0", silent=False)
     env = {}
     if gpu and not cuda:
         session.log("a GPU but no nvcc: mmcv has CPU ops only, so the example trains on the CPU")
@@ -143,6 +148,10 @@ def main(session: nox.Session) -> None:
     # runs (README); a later --repeat in the posargs wins (argparse keeps the last).
     checks = (["--tolerance", str(BEV_TOLERANCE), "--first-tolerance", str(BEV_FIRST_TOLERANCE), "--repeat", "2"]
               if example == "bev" else [])
+    repeat = int(args[args.index("--repeat") + 1]) if "--repeat" in args[:-1] else (2 if example == "bev" else 1)
+    runs = 2 * repeat
+    session.log(f"phase 4/4: loongkit compare, {runs} training runs alternating bare and loongkit "
+                "(each shows its steps; about 3 min in all)")
     session.run("loongkit", "compare", "--json", str(out / "compare.json"), "--png", str(out / "compare.png"),
                 *checks, *args, "--", "python", *[str(ROOT / part) for part in EXAMPLES[example]], env=env)
 
