@@ -1,12 +1,14 @@
-"""Build the GPU kit's upstream baselines from the carried sources, and load them for run_all.py.
+"""Build the GPU kit's mmcv baselines from the carried sources, and load them for run_all.py.
 
-The baselines are what users run on GPUs: mmcv 2.1.0's CUDA ops (MultiScaleDeformableAttention
-forward and backward; hard voxelization, deterministic, and dynamic voxelization) and Sparse4D's CUDA
-deformable aggregation. ``carry.py`` gathers their sources into ``benchmarks/gpu/carry/`` (ignored);
-this script compiles them on the GPU machine for its own architecture only (``sm_<major><minor>`` from
-``torch.cuda.get_device_capability()``, one SASS, no PTX) into ``benchmarks/gpu/carry/build/``: one
-nvcc per .cu and one c++ per binding (``benchmarks/gpu/bindings/*.cpp``, our code), all in parallel (up
-to ``os.cpu_count()`` jobs), then one shared library per baseline, linked against torch's libraries.
+The baselines are what users run on GPUs, from registry packages only: mmcv 2.1.0's CUDA ops
+(MultiScaleDeformableAttention forward and backward; hard voxelization, deterministic, and dynamic
+voxelization), built from the files ``carry.py`` takes out of mmcv's PyPI sdist into
+``benchmarks/gpu/carry/`` (ignored). Kernels without a registry counterpart (deformable aggregation among
+them) are compared with loongkit-ops' own reference path in run_all.py; nothing is built for them. This
+script compiles the carried files on the GPU machine for its own architecture only (``sm_<major><minor>``
+from ``torch.cuda.get_device_capability()``, one SASS, no PTX) into ``benchmarks/gpu/carry/build/``: one
+nvcc per .cu and one c++ for the binding (``benchmarks/gpu/bindings/mmcv_baseline.cpp``, our code), all
+in parallel (up to ``os.cpu_count()`` jobs), then one shared library, linked against torch's libraries.
 Include and library folders, the C++ standard, the C++ ABI flag and nvcc's half/bfloat16 flags are
 torch.utils.cpp_extension's (``include_paths()``, ``library_paths()``, ``COMMON_NVCC_FLAGS``, torch's
 ``_GLIBCXX_USE_CXX11_ABI``); nvcc and c++ are called directly, so neither ninja nor setuptools is needed.
@@ -50,7 +52,7 @@ import carry  # noqa: E402  (benchmarks/gpu/carry.py: the carried files' layout)
 CARRY = carry.DEFAULT_OUT
 BINDINGS = HERE / "bindings"
 STATUS = "status.json"
-# THC/THCAtomics.cuh left torch (it only included this header); mmcv 2.1.0 and Sparse4D still include it.
+# THC/THCAtomics.cuh left torch (it only included this header); mmcv 2.1.0 still includes it.
 THC_SHIM = "#pragma once\n// Written by build_baselines.py: torch's own THCAtomics.cuh said just this.\n" \
            "#include <ATen/cuda/Atomic.cuh>\n"
 # Seconds to compile each unit for sm_90, measured -j1 on the development machine (2 shared AMD EPYC vCPUs,
@@ -59,9 +61,7 @@ THC_SHIM = "#pragma once\n// Written by build_baselines.py: torch's own THCAtomi
 ESTIMATE_S = {
     "ms_deform_attn_cuda.cu": 46.0,
     "voxelization_cuda.cu": 62.0,
-    "deformable_aggregation_cuda.cu": 46.0,
     "mmcv_baseline.cpp": 19.0,
-    "sparse4d_baseline.cpp": 13.0,
 }
 LINK_ESTIMATE_S = 3.0
 
@@ -80,9 +80,6 @@ BASELINES = (
     Baseline("mmcv", "lk_mmcv_baseline", (f"{_CUDA}/ms_deform_attn_cuda.cu", f"{_CUDA}/voxelization_cuda.cu"),
              "mmcv_baseline.cpp", "mmcv 2.1.0 CUDA: ms_deform_attn forward/backward, hard (deterministic) and "
                                   "dynamic voxelize"),
-    Baseline("sparse4d", "lk_sparse4d_baseline", ("projects/mmdet3d_plugin/ops/src/deformable_aggregation_cuda.cu",),
-             "sparse4d_baseline.cpp", f"Sparse4D {carry.SPARSE4D_COMMIT[:12]} CUDA: deformable aggregation "
-                                      "forward/backward"),
 )
 SOURCE_OF = {src.name: src for src in carry.SOURCES}
 
@@ -236,13 +233,17 @@ def stamp(steps: Sequence[Step], digest: str, tool_versions: str) -> str:
 
 
 def verify_carry(carry_dir: Path) -> str:
-    """'' when every file the manifest lists is there with its sha256, else what is wrong."""
+    """'' when the manifest lists this kit's sources only and every file it lists is there with its sha256,
+    else what is wrong."""
     manifest_path = carry_dir / carry.MANIFEST
     if not manifest_path.is_file():
-        return f"no carried upstream sources ({manifest_path} absent: run benchmarks/gpu/carry.py where a package " \
-               "registry is reachable, and name benchmarks/gpu/carry in the device tool's carry list)"
+        return f"no carried upstream sources ({manifest_path} absent: run benchmarks/gpu/carry.py where the package " \
+               "index is reachable, and copy benchmarks/gpu/carry to the GPU machine with the working tree)"
     try:
         manifest = json.loads(manifest_path.read_text())
+        unknown = sorted(set(manifest["sources"]) - set(SOURCE_OF))
+        if unknown:
+            return f"the carry holds sources this kit does not build ({', '.join(unknown)}): rerun carry.py"
         for name, entry in manifest["sources"].items():
             for rel, meta in entry["files"].items():
                 path = carry_dir / name / rel
@@ -504,35 +505,6 @@ def mmcv_voxelize() -> tuple[tuple[Callable[..., Any], Callable[..., Any]] | Non
         return ops.dynamic_voxelize(points, list(map(float, voxel_size)), list(map(float, coors_range)))
 
     return (hard, dynamic), ""
-
-
-def sparse4d_daf() -> tuple[Callable[..., Any] | None, str]:
-    """Sparse4D's DeformableAggregationFunction semantics on its carried CUDA op, else (None, why)."""
-    ops, why = load("sparse4d")
-    if ops is None:
-        return None, why
-    import torch
-    from torch.autograd.function import once_differentiable
-
-    class CarriedDAF(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, feat: Any, shape: Any, start: Any, loc: Any, weights: Any) -> Any:
-            # Sparse4D's forward: float32 features, locations and weights, int32 index tensors.
-            args = (feat.contiguous().float(), shape.contiguous().int(), start.contiguous().int(),
-                    loc.contiguous().float(), weights.contiguous().float())
-            ctx.save_for_backward(*args)
-            return ops.deformable_aggregation_forward(*args)
-
-        @staticmethod
-        @once_differentiable
-        def backward(ctx: Any, grad: Any) -> tuple[Any, ...]:
-            gf, gl, gw = ops.deformable_aggregation_backward(*ctx.saved_tensors, grad.contiguous())
-            return gf, None, None, gl, gw
-
-    def run(feat: Any, shape: Any, start: Any, loc: Any, weights: Any) -> Any:
-        return CarriedDAF.apply(feat, shape, start, loc, weights)
-
-    return run, ""
 
 
 def main(argv: list[str] | None = None) -> int:

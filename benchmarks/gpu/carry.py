@@ -1,28 +1,30 @@
-"""Gather the upstream CUDA sources of the GPU kit's baselines into ``benchmarks/gpu/carry/`` (git-ignored).
+"""Gather the mmcv CUDA sources of the GPU kit's baselines into ``benchmarks/gpu/carry/`` (git-ignored).
 
-The GPU machine has no network, so what its baselines are built from travels with the working tree
-(the device tool's ``carry`` list). This script runs where a package registry is reachable and copies
-only the files the baselines' kernels need, as data (they are upstream's, never committed here):
+The GPU machine need not reach a package index: what its baselines are built from travels with the
+working tree (copy ``benchmarks/gpu/carry/`` along with it). This script runs where the package index is
+reachable, downloads mmcv 2.1.0's sdist from it with pip, checks its pinned sha256 and copies only the
+files the baselines' kernels need, as data (they are mmcv's, never committed here):
 
 - mmcv 2.1.0 (PyPI sdist ``mmcv-2.1.0.tar.gz``, sha256 pinned below): the CUDA launchers and kernels of
   MultiScaleDeformableAttention (forward, backward) and of hard / dynamic voxelization, and the
   headers they include; mmcv's LICENSE (Apache-2.0) and LICENSES.md.
-- Sparse4D (github HorizonRobotics/Sparse4D, commit pinned below): ``deformable_aggregation_cuda.cu``
-  (forward and backward launchers and kernels) and the repository's LICENSE (MIT).
 
-Upstream's own binding files (mmcv's pybind.cpp / cudabind.cpp, Sparse4D's deformable_aggregation.cpp)
-are not carried: ``build_baselines.py`` links the launchers with bindings of our own
-(``benchmarks/gpu/bindings/``). Next to the files: ``manifest.json`` (each file's origin, sha256 and
-size; ``build_baselines.py`` checks them before building) and a PROVENANCE.txt per source.
+Baselines come from registry packages only, or from loongkit's own reference implementation: deformable
+aggregation (``loongkit::deformable_aggregation``) has no CUDA op in any registry package, so run_all.py
+compares it with loongkit-ops' reference path (``daf.reference``) and nothing is gathered for it.
 
-    python benchmarks/gpu/carry.py --sparse4d-git /work/.mirror/HorizonRobotics+Sparse4D/repo \\
-        [--sdist mmcv-2.1.0.tar.gz | --pip-python /work/mmvenv/bin/python] [--out benchmarks/gpu/carry]
+mmcv's own binding files (pybind.cpp / cudabind.cpp) are not carried: ``build_baselines.py`` links the
+launchers with a binding of our own (``benchmarks/gpu/bindings/``). Next to the files: ``manifest.json``
+(each file's origin, sha256 and size; ``build_baselines.py`` checks them before building) and
+PROVENANCE.txt.
+
+    .nox/stack2/bin/python benchmarks/gpu/carry.py [--sdist mmcv-2.1.0.tar.gz] [--out benchmarks/gpu/carry]
 
 Without ``--sdist`` the sdist is fetched with ``pip download mmcv==2.1.0 --no-deps --no-binary :all:
 --no-build-isolation``: pip prepares an sdist's metadata even to download it, and mmcv 2.1.0's setup.py
-imports torch and pkg_resources, so the interpreter given by ``--pip-python`` needs both (torch and
-setuptools < 81; the OpenMMLab venv has them). ``--sparse4d-git`` is a git directory holding the pinned
-commit (a bare mirror is enough: files are read with ``git show <commit>:<path>``).
+imports torch and pkg_resources, so the interpreter given by ``--pip-python`` (default: the one running
+this script) needs both: torch and setuptools < 81, as in the venv ``nox -s stack2`` makes
+(``.nox/stack2``).
 """
 
 from __future__ import annotations
@@ -43,12 +45,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "carry"
 MANIFEST = "manifest.json"
-# The carry must stay far below the device tool's 64 MiB for the whole working tree.
+# The carry travels with the working tree to the GPU machine: kept small.
 MAX_CARRY_BYTES = 1 << 20
 
 MMCV_VERSION = "2.1.0"
 MMCV_SDIST = f"mmcv-{MMCV_VERSION}.tar.gz"
-# files.pythonhosted.org's mmcv-2.1.0.tar.gz (471,435 bytes), as downloaded for this kit.
+# files.pythonhosted.org's mmcv-2.1.0.tar.gz (471,435 bytes).
 MMCV_SDIST_SHA256 = "d387bcab66b467479b6660310e23746cfc79c6e57acf04094680adb499a5cd3f"
 _CSRC = "mmcv/ops/csrc"
 # Paths inside the sdist's top folder; kept as they are under carry/mmcv/ (the include layout).
@@ -67,19 +69,15 @@ MMCV_INCLUDE_DIRS = (f"{_CSRC}/common", f"{_CSRC}/common/cuda")
 # Quoted includes that are referenced but not needed: only under MMCV_USE_PARROTS (the Parrots framework).
 MMCV_UNNEEDED_INCLUDES = {"parrots_cuda_helper.hpp": "only under #ifdef MMCV_USE_PARROTS"}
 
-SPARSE4D_REPO = "HorizonRobotics/Sparse4D"
-SPARSE4D_COMMIT = "c41df4bbf7bc82490f11ff55173abfcb3fb91425"
-SPARSE4D_FILES = ("projects/mmdet3d_plugin/ops/src/deformable_aggregation_cuda.cu", "LICENSE")
-
 
 @dataclass(frozen=True)
 class Source:
-    """One upstream: where its files come from and where they go under the carry folder."""
+    """One registry package: where its files come from and where they go under the carry folder."""
 
     name: str  # the folder under carry/
     repo: str
-    version: str  # a release or a commit
-    origin: str  # how the files were obtained
+    version: str  # the release
+    origin: str  # the registry's file the files were read from, with its sha256
     license: str
     files: tuple[str, ...]
     include_dirs: tuple[str, ...]
@@ -89,10 +87,7 @@ class Source:
 MMCV = Source("mmcv", "open-mmlab/mmcv", MMCV_VERSION, f"PyPI sdist {MMCV_SDIST} sha256 {MMCV_SDIST_SHA256}",
               "Apache-2.0 (LICENSE; LICENSES.md names no other licence for these files)", MMCV_FILES,
               MMCV_INCLUDE_DIRS, MMCV_UNNEEDED_INCLUDES)
-SPARSE4D = Source("sparse4d", SPARSE4D_REPO, SPARSE4D_COMMIT,
-                  f"git commit {SPARSE4D_COMMIT} of github.com/{SPARSE4D_REPO}", "MIT (LICENSE)", SPARSE4D_FILES,
-                  (), {})
-SOURCES = (MMCV, SPARSE4D)
+SOURCES = (MMCV,)
 
 _QUOTED_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
@@ -147,18 +142,6 @@ def read_mmcv(sdist: Path) -> dict[str, bytes]:
     return out
 
 
-def read_sparse4d(git_dir: Path, commit: str) -> dict[str, bytes]:
-    """SPARSE4D.files at ``commit`` of the git directory ``git_dir``."""
-    out = {}
-    for rel in SPARSE4D.files:
-        proc = subprocess.run(["git", "--git-dir", str(git_dir), "show", f"{commit}:{rel}"], capture_output=True)
-        if proc.returncode:
-            raise SystemExit(f"git show {commit}:{rel} in {git_dir} failed: {proc.stderr.decode()[-500:]}"
-                             f"(fetch github:{SPARSE4D_REPO} and pass its git directory to --sparse4d-git)")
-        out[rel] = proc.stdout
-    return out
-
-
 def provenance_text(src: Source, files: dict[str, bytes]) -> str:
     lines = [f"Upstream: {src.repo} {src.version}", f"Obtained: {src.origin}", f"License: {src.license}",
              "Carried as data for benchmarks/gpu/build_baselines.py (the GPU kit's baselines); not part of loongkit,",
@@ -202,16 +185,12 @@ def write_carry(out: Path, gathered: dict[str, dict[str, bytes]]) -> dict[str, o
 
 
 def carry_bytes(out: Path) -> int:
-    """Bytes of every file under the carry folder (what the device tool sends), the build excluded."""
+    """Bytes of every file under the carry folder (what travels to the GPU machine), the build excluded."""
     return sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and "build" not in p.relative_to(out).parts)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sparse4d-git", type=Path, required=True,
-                        help=f"a git directory holding {SPARSE4D_REPO} (the fetch tool's bare mirror will do)")
-    parser.add_argument("--sparse4d-commit", default=SPARSE4D_COMMIT,
-                        help="the commit to take (default: the pinned one the bindings were written against)")
     parser.add_argument("--sdist", type=Path, help=f"an already downloaded {MMCV_SDIST}")
     parser.add_argument("--pip-python", default=sys.executable,
                         help="the interpreter whose pip downloads the sdist (needs torch and setuptools < 81)")
@@ -220,16 +199,15 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         sdist = args.sdist or download_sdist(args.pip_python, Path(tmp))
-        gathered = {MMCV.name: read_mmcv(sdist),
-                    SPARSE4D.name: read_sparse4d(args.sparse4d_git, args.sparse4d_commit)}
+        gathered = {MMCV.name: read_mmcv(sdist)}
     write_carry(args.out, gathered)
     size = carry_bytes(args.out)
     for src in SOURCES:
         files = gathered[src.name]
         print(f"carried {src.name}: {src.repo} {src.version}, {len(files)} files, "
               f"{sum(len(d) for d in files.values())} bytes")
-    print(f"carry folder {args.out}: {size} bytes ({size / 1024:.1f} KiB) with manifest and provenance; on the device "
-          "tool name it in carry: [\"benchmarks/gpu/carry\"]")
+    print(f"carry folder {args.out}: {size} bytes ({size / 1024:.1f} KiB) with manifest and provenance; copy it to "
+          "the GPU machine with the working tree")
     return 0
 
 

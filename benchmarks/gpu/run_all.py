@@ -19,9 +19,9 @@ Cases, each in its own interpreter so a failing one does not hide the others (ke
              forward + backward, BEVFormer-tiny TSA shape) vs the reference torch path
              (``msda_fused.reference``), and vs the same maths unfused in torch around the
              plain Triton MSDA op; prints the largest differences of the output and both gradients.
-- daf      : the Triton deformable aggregation (forward + backward, Sparse4D v3: 6 cameras, 4 levels
-             64x176..8x22, C=256, 8 groups, 13 points, 900 anchors) vs Sparse4D's CUDA op (its carried
-             source built here), else the reference gather path.
+- daf      : the Triton deformable aggregation (forward + backward, Sparse4D v3 shapes: 6 cameras, 4 levels
+             64x176..8x22, C=256, 8 groups, 13 points, 900 anchors) vs loongkit-ops' own reference gather
+             path (``daf.reference``): no registry package ships a CUDA deformable aggregation.
 - bev_pool : the Triton BEV pooling (forward + backward, BEVFusion: ~2M points x 80 channels into
              360x360) vs the reference index_add path.
 - voxelize : the Triton hard voxelization (nuScenes CenterPoint: ~300k points x 5, 10 points per
@@ -299,34 +299,20 @@ def case_daf(quick: bool) -> bool:
     loc = torch.rand(bs, anchors, pts, cams, 2, device=dev, generator=g, requires_grad=True)
     w = torch.rand(bs, anchors, pts, cams, len(levels), groups, device=dev, generator=g).requires_grad_()
     grad = torch.randn(bs, anchors, ch, device=dev, generator=g)
-    upstream, why = sparse4d_daf()
-    if upstream is not None:  # Sparse4D's own CUDA op (inside-only sampling, as ours with True)
-        label, suffix = why, "vs_sparse4d_cuda"
-        base = fwd_bwd(lambda f, lc, ww: upstream(f, shapes, starts, lc, ww), [feat, loc, w], grad)
-    else:
-        label, suffix = f"torch reference daf.reference (Sparse4D's CUDA op unusable: {why})", "vs_torch_ref"
-        base = fwd_bwd(lambda f, lc, ww: daf.reference(f, shapes, starts, lc, ww, True), [feat, loc, w], grad)
+    # The baseline is the project's own reference path (inside-only sampling, as ours with True): no
+    # registry package ships a CUDA deformable aggregation, and the kit builds nothing from a repository.
+    base = fwd_bwd(lambda f, lc, ww: daf.reference(f, shapes, starts, lc, ww, True), [feat, loc, w], grad)
     ours = fwd_bwd(lambda f, lc, ww: daf.deformable_aggregation(f, shapes, starts, lc, ww, True), [feat, loc, w],
                    grad)
     reps = reps_for(quick)
     tb, to = cuda_timer(base, reps), cuda_timer(ours, reps)
-    print(f"  daf baseline = {label}; max |difference| of the forward = {max_difference(base, ours):.2e}", flush=True)
-    bench_line(f"gpu_daf_fwd_bwd_{suffix}", tb, to)
+    print(f"  daf baseline = {DAF_BASELINE}; max |difference| of the forward = {max_difference(base, ours):.2e}",
+          flush=True)
+    bench_line("gpu_daf_fwd_bwd_vs_torch_ref", tb, to)
     return ok
 
 
-def sparse4d_daf() -> tuple[Callable[..., Any] | None, str]:
-    """Sparse4D's CUDA deformable aggregation from the carried build: (fn(feat, shapes, starts, loc, w), label),
-    else (None, why)."""
-    if DEV.type != "cuda":
-        return None, "not on a CUDA device"
-    import build_baselines
-
-    fn, why = build_baselines.sparse4d_daf()
-    if fn is None:
-        return None, why
-    commit = build_baselines.carry.SPARSE4D_COMMIT[:7]
-    return fn, f"Sparse4D DeformableAggregationFunction's CUDA op (commit {commit}, carried source built here)"
+DAF_BASELINE = "torch reference daf.reference (loongkit-ops' gather path; no registry package has this op)"
 
 
 def case_bev_pool(quick: bool) -> bool:

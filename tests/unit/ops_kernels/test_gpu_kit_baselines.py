@@ -1,8 +1,9 @@
-"""The GPU kit's upstream baselines without a GPU: carry.py's carry folder, build_baselines.py's plan,
-build outcomes and fallback reasons, and the autograd glue around the carried ops.
+"""The GPU kit's baselines without a GPU: carry.py's carry folder, build_baselines.py's plan, build
+outcomes and fallback reasons, the autograd glue around the carried ops, and the rule that baselines come
+from registry packages (mmcv's sdist) or from loongkit's own reference paths, never from a repository.
 
-The real build (nvcc on the carried mmcv / Sparse4D sources) takes minutes and needs torch's CUDA
-libraries to link: docs/benchmarks.md says what was compiled and linked on the development machine.
+The real build (nvcc on the carried mmcv sources) takes minutes and needs torch's CUDA libraries to
+link: docs/benchmarks.md says what was compiled and linked on a machine with nvcc but no GPU.
 Here, fake compilers (shell scripts) stand in for nvcc and c++, and fake op namespaces in torch for
 the built libraries.
 """
@@ -44,7 +45,17 @@ def fake_mmcv_files() -> dict[str, bytes]:
 
 
 def fake_gathered() -> dict[str, dict[str, bytes]]:
-    return {"mmcv": fake_mmcv_files(), "sparse4d": {rel: b"// " + rel.encode() + b"\n" for rel in carry.SPARSE4D.files}}
+    return {"mmcv": fake_mmcv_files()}
+
+
+def test_baselines_come_from_registry_packages_only() -> None:
+    """Every carried source is read from a PyPI sdist with a pinned sha256; one baseline and one binding of
+    ours per source, no other binding; deformable aggregation has no built baseline (its reference path)."""
+    assert [src.name for src in carry.SOURCES] == ["mmcv"]
+    for src in carry.SOURCES:
+        assert src.origin.startswith("PyPI sdist ") and carry.MMCV_SDIST_SHA256 in src.origin, src.origin
+    assert {b.name for b in bb.BASELINES} == {src.name for src in carry.SOURCES}
+    assert sorted(p.name for p in bb.BINDINGS.iterdir()) == sorted(b.binding for b in bb.BASELINES)
 
 
 def test_unresolved_includes_finds_a_header_not_carried() -> None:
@@ -76,11 +87,15 @@ def test_write_carry_manifest_provenance_and_size(tmp_path: Path) -> None:
             assert entry["files"][rel] == {"sha256": carry.sha256(data), "bytes": len(data)}
         text = (out / name / "PROVENANCE.txt").read_text()
         assert entry["repo"] in text and entry["version"] in text and "License:" in text
-    assert on_disk["sources"]["sparse4d"]["version"] == carry.SPARSE4D_COMMIT
+    assert set(on_disk["sources"]) == {"mmcv"} and on_disk["sources"]["mmcv"]["version"] == carry.MMCV_VERSION
     assert carry.MMCV_SDIST_SHA256 in on_disk["sources"]["mmcv"]["origin"]
     # total_bytes counts the files and the provenance notes: what the device tool sends, bar the manifest.
     assert on_disk["total_bytes"] == carry.carry_bytes(out) - (out / carry.MANIFEST).stat().st_size
     assert bb.verify_carry(out) == ""
+    # A carry holding a source this kit does not build is refused as a whole.
+    manifest["sources"]["elsewhere"] = {"files": {}}  # type: ignore[index]
+    (out / carry.MANIFEST).write_text(json.dumps(manifest))
+    assert bb.verify_carry(out) == "the carry holds sources this kit does not build (elsewhere): rerun carry.py"
 
 
 def test_write_carry_refuses_a_missing_include_and_an_oversized_carry(tmp_path: Path,
@@ -195,7 +210,7 @@ def test_build_reasons_without_carry_arch_toolchain_or_time(tmp_path: Path, carr
 
     # A carried file changed after carry.py: refused before any compiler runs.
     monkeypatch.undo()
-    (carried / "sparse4d" / "LICENSE").write_text("changed")
+    (carried / "mmcv" / "LICENSE").write_text("changed")
     assert all("changed since carry.py wrote it" in o.reason for o in bb.build(carried, arch="90", log=quiet(lines))
                .values())
 
@@ -217,7 +232,7 @@ def test_build_compiler_failure_then_success_reuse_and_load_fallbacks(tmp_path: 
     again = bb.build(carried, jobs=2, time_limit=100, arch="90", log=quiet(lines))
     assert all(o.ok and o.reused for o in again.values())
     # The fake library is an empty file: the kit is told it does not load, and falls back.
-    ops, why = bb.load("sparse4d", carried)
+    ops, why = bb.load("mmcv", carried)
     assert ops is None and why.startswith("its library ") and "does not load" in why
 
     status = json.loads((carried / "build" / bb.STATUS).read_text())
@@ -255,51 +270,7 @@ def test_run_all_falls_back_with_the_reason(tmp_path: Path, monkeypatch: pytest.
     # backends for the whole session: only the device is set).
     monkeypatch.setattr(run_all, "DEV", torch.device("cpu"))
     assert run_all.mmcv_msda() == (None, "not on a CUDA device")
-    assert run_all.sparse4d_daf() == (None, "not on a CUDA device")
     assert run_all.mmcv_voxelize(torch.zeros(4, 4))[2] == "not on a CUDA device"
-
-
-class FakeSparse4D:
-    """Sparse4D's op pair in torch (the reference and its vjp) with the carried library's signatures."""
-
-    def __init__(self) -> None:
-        from loongkit_ops.kernels.ops import daf
-
-        self.daf = daf
-        self.seen: list[tuple[torch.dtype, ...]] = []
-
-    def deformable_aggregation_forward(self, feat: Any, shape: Any, start: Any, loc: Any, w: Any) -> Any:
-        self.seen.append((feat.dtype, shape.dtype, start.dtype, loc.dtype, w.dtype))
-        return self.daf.reference(feat, shape, start, loc, w, True)
-
-    def deformable_aggregation_backward(self, feat: Any, shape: Any, start: Any, loc: Any, w: Any, grad: Any) -> Any:
-        _, vjp = torch.func.vjp(lambda f, lc, ww: self.daf.reference(f, shape, start, lc, ww, True), feat, loc, w)
-        return vjp(grad)
-
-
-def test_carried_daf_glue_passes_each_gradient_to_its_input(monkeypatch: pytest.MonkeyPatch) -> None:
-    from loongkit_ops.kernels.ops import daf
-
-    fake = FakeSparse4D()
-    monkeypatch.setattr(bb, "load", lambda name, carry_dir=None: (fake, "") if name == "sparse4d" else (None, "x"))
-    fn, why = bb.sparse4d_daf()
-    assert fn is not None and why == ""
-    g = torch.Generator().manual_seed(0)
-    shapes = torch.tensor([[[4, 6], [2, 3]]] * 2)
-    areas = (shapes[..., 0] * shapes[..., 1]).flatten()
-    starts = torch.cat([areas.new_zeros(1), areas.cumsum(0)[:-1]]).reshape(2, 2)
-    feat = torch.randn(1, int(areas.sum()), 8, generator=g, dtype=torch.float64, requires_grad=True)
-    loc = torch.rand(1, 5, 3, 2, 2, generator=g, dtype=torch.float64, requires_grad=True)
-    w = torch.rand(1, 5, 3, 2, 2, 4, generator=g, dtype=torch.float64, requires_grad=True)
-    grad = torch.randn(1, 5, 8, generator=g)
-    fn(feat, shapes, starts, loc, w).backward(grad)
-    # Sparse4D's conventions: float32 data, int32 index tensors, whatever the caller passed.
-    assert fake.seen == [(torch.float32, torch.int32, torch.int32, torch.float32, torch.float32)]
-    mine = (feat.grad, loc.grad, w.grad)
-    ref = [t.detach().float().requires_grad_() for t in (feat, loc, w)]
-    daf.reference(ref[0], shapes, starts, ref[1], ref[2], True).backward(grad)
-    for a, b in zip(mine, ref, strict=True):
-        assert a is not None and b.grad is not None and torch.allclose(a.float(), b.grad, atol=1e-5)
 
 
 def test_carried_msda_and_voxelize_glue(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -360,8 +331,9 @@ def test_build_baselines_plan_cli_prints_the_commands(capsys: pytest.CaptureFixt
 
 def test_kit_cases_call_the_upstream_ops_with_their_arguments(monkeypatch: pytest.MonkeyPatch,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    """case_msda / case_daf / case_voxelize with an upstream op present: each calls it with the op's own
-    arguments (a wrong order would not run or would differ) and names the baseline in the BENCH line.
+    """case_msda / case_voxelize with an mmcv op present: each calls it with the op's own arguments (a wrong
+    order would not run or would differ) and names the baseline in the BENCH line; case_daf compares with
+    loongkit-ops' reference path, whatever is built.
 
     On the CPU, without the interpreter: the upstream ops are the glue above on torch fakes, ours the
     reference (forced), the CHECK lines left to the dry run."""
@@ -388,10 +360,8 @@ def test_kit_cases_call_the_upstream_ops_with_their_arguments(monkeypatch: pytes
         def dynamic_voxelize(self, p: Any, size: list[float], rng: list[float]) -> Any:
             return voxelize.dynamic_reference(p, size, rng)
 
-    fakes = {"mmcv": FakeMmcv(), "sparse4d": FakeSparse4D()}
-    monkeypatch.setattr(bb, "load", lambda name, carry_dir=None: (fakes[name], ""))
+    monkeypatch.setattr(bb, "load", lambda name, carry_dir=None: (FakeMmcv(), "") if name == "mmcv" else (None, "x"))
     monkeypatch.setattr(run_all, "mmcv_msda", lambda: (bb.mmcv_msda()[0], "carried mmcv (fake)"))
-    monkeypatch.setattr(run_all, "sparse4d_daf", lambda: (bb.sparse4d_daf()[0], "carried Sparse4D (fake)"))
     pair = bb.mmcv_voxelize()[0]
     assert pair is not None
     fake_vox = (*pair, "carried mmcv voxelize (fake)", "vs_mmcv_cuda")
@@ -399,8 +369,8 @@ def test_kit_cases_call_the_upstream_ops_with_their_arguments(monkeypatch: pytes
 
     assert run_all.case_msda(True) and run_all.case_daf(True) and run_all.case_voxelize(True)
     out = capsys.readouterr().out
-    for name in ("gpu_msda_fwd_bwd_vs_mmcv_cuda", "gpu_daf_fwd_bwd_vs_sparse4d_cuda", "gpu_hard_voxelize_vs_mmcv_cuda"):
+    for name in ("gpu_msda_fwd_bwd_vs_mmcv_cuda", "gpu_daf_fwd_bwd_vs_torch_ref", "gpu_hard_voxelize_vs_mmcv_cuda"):
         assert f"BENCH {name} baseline=" in out, out
     assert "msda baseline = carried mmcv (fake); max |difference| of the forward = 0.00e+00" in out, out
-    assert "daf baseline = carried Sparse4D (fake); max |difference| of the forward = 0.00e+00" in out, out
+    assert f"daf baseline = {run_all.DAF_BASELINE}; max |difference| of the forward = 0.00e+00" in out, out
     assert "identical output: True; dynamic identical to mmcv's dynamic_voxelize: True" in out, out
