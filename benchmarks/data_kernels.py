@@ -1,6 +1,6 @@
 """LOONGKIT_IMNORMALIZE / LOONGKIT_DISTORTION: per-image time, one thread (as in a data worker).
 
-Run in the mm venv:  /work/mmvenv/bin/python benchmarks/data_kernels.py [--quick]
+Run in the stack2 venv (`nox -s stack2` makes it):  .nox/stack2/bin/python benchmarks/data_kernels.py [--quick]
 
 Lines:
   BENCH imnormalize_<WxH> baseline=<mmcv s> ours=<kernel s> ratio=<mmcv/kernel>

@@ -55,7 +55,7 @@ STATUS = "status.json"
 # THC/THCAtomics.cuh left torch (it only included this header); mmcv 2.1.0 still includes it.
 THC_SHIM = "#pragma once\n// Written by build_baselines.py: torch's own THCAtomics.cuh said just this.\n" \
            "#include <ATen/cuda/Atomic.cuh>\n"
-# Seconds to compile each unit for sm_90, measured -j1 on the development machine (2 shared AMD EPYC vCPUs,
+# Seconds to compile each unit for sm_90, measured -j1 on a machine without GPU (2 shared AMD EPYC vCPUs,
 # load ~2; torch 2.14.1+cu130 headers, nvcc 13.0; docs/benchmarks.md), rounded up: the time box's
 # estimate, scaled by --estimate-scale.
 ESTIMATE_S = {

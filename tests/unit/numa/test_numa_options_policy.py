@@ -109,5 +109,5 @@ def test_declarations() -> None:
     features = {f.name: f for f in plugin.loongkit_declare_features()}
     assert features["numa_affinity"].implemented and plugin.owns(features["numa_affinity"])
     assert isinstance(plugin.impl(features["numa_affinity"]), NumaAffinity)
-    # SUBCGROUPS switches direct binding off (seed); the other features are other engineers' work.
+    # SUBCGROUPS switches direct binding off (seed); the other features are tested with their own code.
     assert features["subcgroups"].disables == ("numa_affinity",)

@@ -89,7 +89,7 @@ def test_write_carry_manifest_provenance_and_size(tmp_path: Path) -> None:
         assert entry["repo"] in text and entry["version"] in text and "License:" in text
     assert set(on_disk["sources"]) == {"mmcv"} and on_disk["sources"]["mmcv"]["version"] == carry.MMCV_VERSION
     assert carry.MMCV_SDIST_SHA256 in on_disk["sources"]["mmcv"]["origin"]
-    # total_bytes counts the files and the provenance notes: what the device tool sends, bar the manifest.
+    # total_bytes counts the files and the provenance notes: what travels to the GPU machine, bar the manifest.
     assert on_disk["total_bytes"] == carry.carry_bytes(out) - (out / carry.MANIFEST).stat().st_size
     assert bb.verify_carry(out) == ""
     # A carry holding a source this kit does not build is refused as a whole.
