@@ -9,13 +9,27 @@ leaves a process is a small JSON report in a per-node *channel* directory:
   daemonic workers at interpreter exit). A worker that dies keeps what it last flushed;
 * at exit a main process folds its workers' reports into its records (``worker_calls``,
   ``workers``) and, when it is one of several local ranks (torchrun), publishes its totals; local
-  rank 0 waits briefly for the node's other ranks and shows the node's view (which ranks had each
-  feature active).
+  rank 0 waits for the node's other ranks and shows the node's view (which global ranks had each
+  feature active, and which sent nothing and why).
 
 The channel lives in the first usable of ``/dev/shm``, ``$TMPDIR``, ``/tmp``, under a ``loongkit-<uid>``
 directory that passes the log directory's checks (ours, 0700, no symlinks); a main process hands its
 path to its children in ``_LOONGKIT_ACTIVITY``. Nothing here touches the training's own streams or
 process group, and every failure only loses counts (never the run).
+
+Shared /dev/shm (``docker --ipc=host``, a pod's memory-backed emptyDir kept across container
+restarts, several jobs on one host): a channel is named after its job instance on this host, whatever
+the PID namespace (:func:`node_key`: the PID namespace's inode, the torchrun agent's pid and start
+time, the restart round, the rendezvous). Its members (main processes) hold ``flock`` locks on files
+in it, which the kernel drops however a process ends, SIGKILL included, in any namespace sharing the
+filesystem:
+
+* ``lock``: every member holds it shared; the last member to leave (it gets it exclusive) removes
+  the channel, and a channel whose ``lock`` nobody holds belongs to a job that is gone: :func:`sweep`
+  removes it (our uid only, never a live one);
+* ``m-<local rank>-<rank>-<pid>-<pid namespace>-<start time>``: one per member, held exclusive by it:
+  local rank 0 stops waiting for a peer's report once that lock is free (the peer ended without one),
+  falling back to its pid and start time where ``flock`` does not work.
 """
 
 from __future__ import annotations
@@ -35,7 +49,18 @@ if TYPE_CHECKING:
 
 ENV = "_LOONGKIT_ACTIVITY"  # "<channel dir>:<main pid>", set by a main process for its children
 FLUSH_INTERVAL = 1.0  # seconds between a worker's reports while its counts change
-NODE_WAIT = 5.0  # how long local rank 0 waits at exit for the node's other ranks
+NODE_WAIT = 5.0  # how long local rank 0 waits at exit for a live local rank's report
+STOP_WAIT = 1.0  # ... once the job is being stopped (SIGTERM from the agent, or the agent gone)
+POLL = 0.05
+LOCK = "lock"
+MEMBER = "m-"
+STALE_TEMP = 60.0  # seconds after which a half-made channel (its creator died in between) is removed
+
+# A peer's state, as local rank 0 sees it while waiting for its report
+ALIVE = "alive"  # it holds its member lock (still running)
+GONE = "gone"  # it joined the channel and ended (its lock is free) without a report
+ABSENT = "absent"  # it never joined the channel
+UNKNOWN = "unknown"  # not in this node's channel (a rank on another node)
 
 
 # Plain classes, not dataclasses: a booting process imports this module (see loongkit_core.feature).
@@ -54,17 +79,126 @@ class Totals(Record):
 
 
 class NodeView(Record):
-    """Local rank 0's view of the node: each local rank's totals per feature (missing: no report)."""
+    """Local rank 0's view of the node: each global rank's totals per feature, and the ranks that sent
+    nothing (global rank -> why)."""
 
-    __slots__ = ("expected", "ranks")
-    _fields = ("ranks", "expected")
+    __slots__ = ("expected", "ranks", "silent")
+    _fields = ("ranks", "expected", "silent")
 
-    def __init__(self, ranks: dict[int, dict[str, Totals]] | None = None, expected: int = 0) -> None:
+    def __init__(self, ranks: dict[int, dict[str, Totals]] | None = None, expected: int = 0,
+                 silent: dict[int, str] | None = None) -> None:
         self.ranks: dict[int, dict[str, Totals]] = {} if ranks is None else ranks
         self.expected = expected
+        self.silent: dict[int, str] = {} if silent is None else silent
 
     def missing(self) -> list[int]:
-        return [r for r in range(self.expected) if r not in self.ranks]
+        return sorted(self.silent)
+
+
+class Member(Record):
+    """A main process that joined a channel, from its member file's name."""
+
+    __slots__ = ("local_rank", "name", "ns", "pid", "rank", "start")
+    _fields = ("name", "local_rank", "rank", "pid", "ns", "start")
+
+    def __init__(self, name: str, local_rank: int | None, rank: int | None, pid: int, ns: int, start: int) -> None:
+        self.name = name
+        self.local_rank = local_rank
+        self.rank = rank
+        self.pid = pid
+        self.ns = ns  # inode of its PID namespace (0: unknown)
+        self.start = start  # its start time in clock ticks since boot (0: unknown)
+
+    @classmethod
+    def parse(cls, name: str) -> Member | None:
+        if not name.startswith(MEMBER):
+            return None
+        parts = name[len(MEMBER):].split("-")
+        if len(parts) != 5:
+            return None
+        try:
+            local, rank = (None if p == "x" else int(p) for p in parts[:2])
+            return cls(name, local, rank, int(parts[2]), int(parts[3]), int(parts[4]))
+        except ValueError:
+            return None
+
+
+def _member_name(local_rank: int | None, rank: int | None, pid: int, ns: int, start: int) -> str:
+    return f"{MEMBER}{'x' if local_rank is None else local_rank}-{'x' if rank is None else rank}-{pid}-{ns}-{start}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Identity: which job instance on this host
+
+
+def pid_namespace() -> int:
+    """The inode of this process's PID namespace (two containers' PID 1 differ here); 0 if unknown."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def start_time(pid: int) -> int:
+    """When ``pid`` started, in clock ticks since boot (field 22 of /proc/<pid>/stat); 0 if unknown.
+    With its pid and PID namespace it names one process on this host, even after its pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+        return int(data[data.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _tag(text: str) -> str:
+    """FNV-1a of ``text`` (8 hex digits): free-form parts of a name, without hashlib at boot."""
+    h = 0x811C9DC5
+    for b in text.encode("utf-8", "replace"):
+        h = ((h ^ b) * 0x01000193) & 0xFFFFFFFF
+    return f"{h:08x}"
+
+
+def node_key(pid: int, local_world_size: int | None, environ: Mapping[str, str]) -> str:
+    """The channel of one job instance on one node: a torchrun node's local ranks share their agent's
+    (their parent's); a lone main process has its own. Unique on this host whatever the PID namespace:
+    two containers' agents are both PID 1 with the same MASTER_PORT, but their namespaces differ; a
+    restarted pod's agent has the same pid in a new namespace and a new start time."""
+    ns = pid_namespace()
+    if local_world_size and local_world_size > 1:
+        agent = os.getppid()
+        restart = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        rendezvous = "|".join(environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT",
+                                                            "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT"))
+        return (f"node-{ns}-{agent}-{start_time(agent)}-{restart if restart.isdigit() else 'x'}-"
+                f"{_tag(rendezvous)}")
+    return f"proc-{ns}-{pid}-{start_time(pid)}"
+
+
+# --------------------------------------------------------------------------------------------------
+# The job is being stopped: waits for reports end early
+
+
+_stopping: list[float] = []  # time.monotonic() when this process learned that its job is ending
+_agent: list[int] = []  # the torchrun agent's pid at boot (a rank's parent), when it has one
+
+
+def mark_stopping() -> None:
+    """The agent stops the job (a SIGTERM to this rank): nobody waits long for reports from now on."""
+    if not _stopping:
+        _stopping.append(time.monotonic())
+
+
+def stopping() -> float | None:
+    """When this process learned its job is ending (SIGTERM, or its torchrun agent gone), or None."""
+    if not _stopping and _agent and os.getppid() != _agent[0]:
+        mark_stopping()  # the agent died: this rank was reparented
+    return _stopping[0] if _stopping else None
+
+
+def wait_deadline(deadline: float) -> float:
+    """``deadline`` (time.monotonic()), shortened to STOP_WAIT after the job started stopping."""
+    since = stopping()
+    return deadline if since is None else min(deadline, since + STOP_WAIT)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -87,16 +221,6 @@ def channel_root() -> str | None:
         except OSError:
             continue
     return None
-
-
-def node_key(pid: int, local_world_size: int | None, environ: Mapping[str, str]) -> str:
-    """The channel of one job on one node: a torchrun node's local ranks share their agent's (their
-    parent's) and the rendezvous port; a lone main process has its own."""
-    if local_world_size and local_world_size > 1:
-        port = environ.get("MASTER_PORT", "")
-        restart = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return f"node-{os.getppid()}-{port}-{restart}"
-    return f"proc-{pid}"
 
 
 def _write(path: str, payload: Mapping[str, Any]) -> None:
@@ -136,6 +260,217 @@ def _remove(directory: str) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def _flock(fd: int, how: int) -> bool | None:
+    """flock(2): True when taken, False when another holder blocks it, None where locks do not work."""
+    import fcntl  # ~0.3 ms, only in a process that opens a channel
+
+    try:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:  # ENOLCK, EINVAL: a filesystem without flock
+        return None
+
+
+def _open_lock(directory: str) -> int | None:
+    """An fd on ``directory``'s lock file, which must be ours; None when it has none."""
+    try:
+        fd = os.open(os.path.join(directory, LOCK), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_uid == os.geteuid():
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def _same_file(fd: int, path: str) -> bool:
+    """``fd`` is still the file at ``path`` (not one a remover renamed away meanwhile)."""
+    try:
+        a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _join(directory: str) -> tuple[int, bool] | None:
+    """Join an existing channel: (its lock fd held shared, whether locks work), or None when there is
+    none (or it is being removed: its last member or :func:`sweep` holds it exclusive)."""
+    fd = _open_lock(directory)
+    if fd is None:
+        return None
+    import fcntl
+
+    taken = _flock(fd, fcntl.LOCK_SH)
+    if taken is not False and _same_file(fd, os.path.join(directory, LOCK)):
+        return fd, taken is True
+    os.close(fd)
+    return None
+
+
+def _create(root: str, key: str) -> tuple[int, bool] | None:
+    """Make the channel ``key`` with its lock already held: built under a temporary name and renamed
+    into place, so nobody ever sees it without a holder. None when another rank made it first."""
+    import fcntl
+
+    tmp = os.path.join(root, f".{key}.{os.getpid()}")
+    _remove(tmp)  # a leftover of an earlier process with our pid
+    os.mkdir(tmp, 0o700)
+    try:
+        fd = os.open(os.path.join(tmp, LOCK), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+    except OSError:
+        _remove(tmp)
+        raise
+    locks = _flock(fd, fcntl.LOCK_SH) is True
+    try:
+        os.rename(tmp, os.path.join(root, key))  # fails on an existing (never empty) channel
+        return fd, locks
+    except OSError:
+        os.close(fd)
+        _remove(tmp)
+        return None
+
+
+def _enter(root: str, key: str) -> tuple[int, bool] | None:
+    """Join channel ``key`` or create it: (lock fd held shared, whether locks work)."""
+    directory = os.path.join(root, key)
+    for _ in range(100):  # a member leaving last removes it while we join: create it again
+        joined = _join(directory)
+        if joined is not None:
+            return joined
+        try:
+            made = _create(root, key)
+        except OSError:
+            return None
+        if made is not None:
+            return made
+        time.sleep(0.01)
+    return None
+
+
+def _retire(root: str, directory: str, lock_fd: int) -> None:
+    """Remove a channel whose lock ``lock_fd`` holds exclusive: renamed away first, so the name is
+    free at once and a process joining it meanwhile sees that its lock file moved (:func:`_join`)."""
+    dead = os.path.join(root, f".dead-{os.path.basename(directory)}-{os.getpid()}")
+    try:
+        os.rename(directory, dead)
+    except OSError:
+        dead = directory
+    try:
+        _remove(dead)
+    finally:
+        os.close(lock_fd)
+
+
+def _pid_alive(member: Member, ns: int) -> bool:
+    """Without flock: a member in our PID namespace lives while its pid has its start time; one in
+    another namespace is taken as alive (its pid means nothing here)."""
+    if not member.ns or member.ns != ns or not member.start:
+        return True
+    return start_time(member.pid) == member.start
+
+
+def members(directory: str) -> list[Member]:
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return [m for m in (Member.parse(n) for n in names if n.startswith(MEMBER)) if m is not None]
+
+
+def member_alive(directory: str, member: Member) -> bool:
+    """Whether ``member`` still runs: it holds its member lock (any PID namespace)."""
+    import fcntl
+
+    try:
+        fd = os.open(os.path.join(directory, member.name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False  # its channel is being removed: nobody holds it
+    except OSError:
+        return _pid_alive(member, pid_namespace())
+    try:
+        taken = _flock(fd, fcntl.LOCK_SH)
+    finally:
+        os.close(fd)  # also drops the lock we may have taken
+    return _pid_alive(member, pid_namespace()) if taken is None else not taken
+
+
+def peer_state(directory: str, *, local_rank: int | None = None, rank: int | None = None) -> str:
+    """ALIVE, GONE or ABSENT: the main process with this local rank (or global rank) in the channel."""
+    found = [m for m in members(directory)
+             if (local_rank is not None and m.local_rank == local_rank) or (rank is not None and m.rank == rank)]
+    if not found:
+        return ABSENT
+    return ALIVE if any(member_alive(directory, m) for m in found) else GONE
+
+
+def silence_reason(state: str, wait: float) -> str:
+    """Why a rank sent no report, in the Summary's words."""
+    if state == GONE:
+        return "its process ended without one (killed or crashed)"
+    if state == ABSENT:
+        return "it never joined the node's channel (ended early, or runs without loongkit)"
+    if stopping() is not None:
+        return "not waited for: the job was being stopped"
+    return f"none within {wait:g} s" + (" (still running)" if state == ALIVE else "")
+
+
+def sweep(root: str | None = None) -> list[str]:
+    """Remove the channels of jobs that are gone (nobody holds their ``lock``: their members ended
+    however they ended) and half-made ones; never a live one, never another uid's. The channels
+    returned were removed. Channels without a lock file (older loongkit versions) are left alone."""
+    import fcntl
+
+    root = channel_root() if root is None else root
+    if root is None:
+        return []
+    removed: list[str] = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    now = time.time()
+    for name in names:
+        path = os.path.join(root, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not os.path.isdir(path) or os.path.islink(path) or st.st_uid != os.geteuid():
+            continue
+        if name.startswith((".node-", ".proc-")) and now - st.st_mtime > STALE_TEMP:
+            _remove(path)  # its creator died between mkdir and rename
+            continue
+        if name.startswith(".dead-") and now - st.st_mtime > STALE_TEMP:
+            _remove(path)  # its remover died while removing it
+            continue
+        if not name.startswith(("node-", "proc-")):
+            continue
+        fd = _open_lock(path)
+        if fd is None:
+            continue
+        taken = _flock(fd, fcntl.LOCK_EX)
+        if taken is None:  # no flock here: gone only when every member is provably dead
+            ns = pid_namespace()
+            found = members(path)
+            taken = bool(found) and not any(_pid_alive(m, ns) for m in found)
+        if taken and _same_file(fd, os.path.join(path, LOCK)):
+            _retire(root, path, fd)
+            removed.append(name)
+        else:
+            os.close(fd)
+    return removed
+
+
+# --------------------------------------------------------------------------------------------------
+# The main process's side
+
+
 def _calls(data: Mapping[str, Any]) -> dict[str, int]:
     raw = data.get("calls")
     if not isinstance(raw, dict):
@@ -143,37 +478,59 @@ def _calls(data: Mapping[str, Any]) -> dict[str, int]:
     return {str(k): int(v) for k, v in raw.items() if isinstance(v, int) and v > 0}
 
 
-# --------------------------------------------------------------------------------------------------
-# The main process's side
-
-
 class MainChannel:
     """Where one main process's workers report, and (multi-rank) where the node's ranks meet."""
 
-    def __init__(self, directory: str, pid: int, local_rank: int | None, local_world_size: int | None) -> None:
+    def __init__(self, directory: str, pid: int, local_rank: int | None, local_world_size: int | None,
+                 rank: int | None = None, lock_fd: int = -1, member_fd: int = -1, locks: bool = False) -> None:
         self.directory = directory
         self.pid = pid
         self.local_rank = local_rank
         self.local_world_size = local_world_size or 1
+        self.rank = rank
+        self._lock_fd = lock_fd  # the channel's lock, held shared while we are a member
+        self._member_fd = member_fd  # our member file, held exclusive while we run
+        self.locks = locks  # flock works here (else liveness falls back to pids)
 
     @classmethod
     def open(cls, pid: int, local_rank: int | None, local_world_size: int | None,
-             environ: Mapping[str, str] | None = None) -> MainChannel | None:
-        root = channel_root()
+             environ: Mapping[str, str] | None = None, rank: int | None = None,
+             root: str | None = None) -> MainChannel | None:
+        root = channel_root() if root is None else root
         if root is None:
             return None
-        directory = os.path.join(root, node_key(pid, local_world_size, os.environ if environ is None else environ))
-        try:
-            os.mkdir(directory, 0o700)
-        except FileExistsError:
-            pass
-        except OSError:
+        key = node_key(pid, local_world_size, os.environ if environ is None else environ)
+        entered = _enter(root, key)
+        if entered is None:
             return None
-        return cls(directory, pid, local_rank, local_world_size)
+        lock_fd, locks = entered
+        directory = os.path.join(root, key)
+        if local_world_size and local_world_size > 1 and not _agent:
+            _agent.append(os.getppid())
+        member_fd = -1
+        try:
+            import fcntl
+
+            name = _member_name(local_rank, rank, pid, pid_namespace(), start_time(pid))
+            member_fd = os.open(os.path.join(directory, name), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                0o600)
+            _flock(member_fd, fcntl.LOCK_EX)
+        except OSError:  # no liveness record: local rank 0 waits for our report until its deadline
+            pass
+        return cls(directory, pid, local_rank, local_world_size, rank, lock_fd, member_fd, locks)
 
     def handoff(self) -> str:
         """The value of ``_LOONGKIT_ACTIVITY`` for this process's children."""
         return f"{self.directory}:{self.pid}"
+
+    def forget(self) -> None:
+        """In a forked child: drop the inherited lock fds (the locks stay the parent's), so a dying main's
+        DataLoader workers do not keep it looking alive."""
+        for fd in (self._lock_fd, self._member_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._lock_fd = self._member_fd = -1
 
     def worker_totals(self) -> dict[str, Totals]:
         """Every report of this process's workers, summed per feature."""
@@ -205,37 +562,83 @@ class MainChannel:
         with contextlib.suppress(OSError):
             _write(os.path.join(self.directory, f"r-{self.local_rank}.json"), payload)
 
-    def node_view(self, wait: float = NODE_WAIT) -> NodeView:
-        """Local rank 0: the node's ranks' totals, waiting up to ``wait`` seconds for all of them."""
-        view = NodeView(expected=self.local_world_size)
-        deadline = time.monotonic() + wait
-        while True:
-            for local in range(self.local_world_size):
-                if local in view.ranks:
-                    continue
-                data = _read(os.path.join(self.directory, f"r-{local}.json"))
-                if data is None or not isinstance(data.get("features"), dict):
-                    continue
-                view.ranks[local] = {
-                    name: Totals(int(t.get("calls", 0)), int(t.get("worker_calls", 0)), int(t.get("workers", 0)))
-                    for name, t in data["features"].items() if isinstance(t, dict)}
-            if not view.missing() or time.monotonic() >= deadline:
-                return view
-            time.sleep(0.05)
+    def global_rank(self, local: int) -> int:
+        """The global rank of local rank ``local`` on this node (torchrun numbers a node's ranks
+        consecutively), from its member file when it joined."""
+        for m in members(self.directory):
+            if m.local_rank == local and m.rank is not None:
+                return m.rank
+        if self.rank is not None and self.local_rank is not None:
+            return self.rank - self.local_rank + local
+        return local
 
-    def close(self, node: bool) -> None:
-        """Remove this process's reports (``node``: the whole node channel, local rank 0 at the end)."""
-        if node:
-            _remove(self.directory)
-            return
+    def _rank_report(self, local: int) -> tuple[int, dict[str, Totals]] | None:
+        data = _read(os.path.join(self.directory, f"r-{local}.json"))
+        if data is None or not isinstance(data.get("features"), dict):
+            return None
+        rank = data.get("rank")
+        totals = {name: Totals(int(t.get("calls", 0)), int(t.get("worker_calls", 0)), int(t.get("workers", 0)))
+                  for name, t in data["features"].items() if isinstance(t, dict)}
+        return (rank if isinstance(rank, int) else self.global_rank(local)), totals
+
+    def node_view(self, wait: float = NODE_WAIT, clock: Callable[[], float] = time.monotonic,
+                  sleep: Callable[[float], None] = time.sleep) -> NodeView:
+        """Local rank 0: the node's ranks' totals (by global rank), waiting up to ``wait`` seconds for
+        ranks that still run; none for a rank that ended without a report, at most STOP_WAIT once the
+        job is being stopped."""
+        view = NodeView(expected=self.local_world_size)
+        pending = set(range(self.local_world_size))
+        deadline = clock() + wait
+        while True:
+            for local in sorted(pending):
+                got = self._rank_report(local)
+                if got is not None:
+                    view.ranks[got[0]] = got[1]
+                    pending.discard(local)
+            if not pending:
+                return view
+            states = {local: peer_state(self.directory, local_rank=local) for local in pending}
+            done = all(s == GONE for s in states.values())
+            if done or clock() >= wait_deadline(deadline):
+                for local in sorted(pending):  # a last look: it may have reported, then ended
+                    got = self._rank_report(local)
+                    if got is not None:
+                        view.ranks[got[0]] = got[1]
+                    else:
+                        view.silent[self.global_rank(local)] = silence_reason(states[local], wait)
+                return view
+            sleep(POLL)
+
+    def close(self) -> None:
+        """Leave the channel: remove this process's workers' reports; the last member to leave removes
+        the channel (its reports were read by then: local rank 0 leaves after reading them)."""
         prefix = f"w-{self.pid}-"
         with contextlib.suppress(OSError):
             for name in os.listdir(self.directory):
                 if name.startswith(prefix):
                     with contextlib.suppress(OSError):
                         os.unlink(os.path.join(self.directory, name))
-        if self.local_world_size <= 1:
-            _remove(self.directory)
+        import fcntl
+
+        if self._member_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._member_fd)  # from here local rank 0 knows we ended
+            self._member_fd = -1
+        fd, self._lock_fd = self._lock_fd, -1
+        root = os.path.dirname(self.directory)
+        if fd >= 0 and self.locks:
+            if _flock(fd, fcntl.LOCK_EX) and _same_file(fd, os.path.join(self.directory, LOCK)):
+                _retire(root, self.directory, fd)  # nobody else holds it: we are the last
+            else:
+                os.close(fd)
+        else:  # no flock: a lone process, or local rank 0 (it read the others' reports), removes it
+            if fd >= 0:
+                os.close(fd)
+            if self.local_world_size <= 1 or self.local_rank == 0:
+                _remove(self.directory)
+        if self.local_rank in (None, 0):
+            with contextlib.suppress(OSError):
+                sweep(root)
 
 
 # --------------------------------------------------------------------------------------------------

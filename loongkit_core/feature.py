@@ -165,7 +165,7 @@ class FeatureRecord(Record):
         self.activation_calls = activation_calls  # of ``calls``, those made inside the activation hook itself
         self.worker_calls = worker_calls  # times it ran in this process's DataLoader workers (reported at exit)
         self.workers = workers  # how many distinct DataLoader workers ran it
-        self.node = node  # local rank 0 under torchrun: local rank -> totals
+        self.node = node  # local rank 0 under torchrun: the node's global ranks -> totals
         self.applied_targets: list[str] = [] if applied_targets is None else applied_targets
         self.policy = policy  # the hardware policy that changed its defaults, if any
         # free-form facts for the JSON summary

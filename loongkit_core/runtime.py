@@ -82,7 +82,12 @@ class Runtime:
         self._fork_baseline: dict[str, int] = {}  # counts inherited at fork (a worker reports the rest)
         self._reporter: activity.WorkerReporter | None = None
         self.optimizer_stepped = False  # an optimizer step ran in this process (a training job's sign)
-        self.node_missing: list[int] = []  # local ranks that sent no activity report (local rank 0)
+        self.node_silent: dict[int, str] = {}  # local rank 0: the node's global ranks that sent no report, and why
+        # finish() runs once: a second entry (torchrun's SIGTERM arriving during the exit callbacks, or
+        # another thread) must not skip what the first is producing (see finish and _on_sigterm)
+        self._finish_lock = threading.RLock()
+        self._finishing: int | None = None  # the thread inside finish()
+        self._pending_signal: int | None = None  # a signal to die of once finish() is done
         self.log: Any = log.get_logger("loongkit.core")
 
     # -- faults --------------------------------------------------------------------------------
@@ -470,16 +475,34 @@ class Runtime:
             unread = self.unread_variables()
             extra.append(self.disabled_plugins_note() + (f"; read by no loaded plugin: {', '.join(unread)}"
                                                          if unread else ""))
-        if self.node_missing:
-            extra.append("No activity report from local rank(s) " + ", ".join(map(str, self.node_missing))
-                         + f" within {activity.NODE_WAIT:g} s: their calls are missing above")
+        reasons: dict[str, list[int]] = {}
+        for rank, why in sorted(self.node_silent.items()):
+            reasons.setdefault(why, []).append(rank)
+        for why, ranks in reasons.items():
+            extra.append(f"No activity report from rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: "
+                         f"{why}; {'their' if len(ranks) > 1 else 'its'} calls are missing above")
         for _, lines in self.manager.call_each("loongkit_summary", records=list(self.records.values())):
             extra.extend(str(line) for line in lines)
         return extra
 
     def finish(self) -> None:
         """Run features' exit callbacks, then print and log the Summary once, from the process that
-        booted (never from a forked child)."""
+        booted (never from a forked child). Re-entry from a signal handler in the same thread returns at
+        once (the running call completes, and the signal is delivered after it); another thread waits
+        for the running call."""
+        if self._finishing == threading.get_ident():
+            return
+        with self._finish_lock:  # reentrant: a handler interrupting before _finishing is set runs it all
+            self._finishing = threading.get_ident()
+            try:
+                self._finish()
+            finally:
+                self._finishing = None
+        pending, self._pending_signal = self._pending_signal, None
+        if pending is not None:
+            self._die_of(pending)
+
+    def _finish(self) -> None:
         self.run_exit_callbacks()
         if self._summary_done or os.getpid() != self.process.pid or not self.process.writes_summary:
             return
@@ -516,7 +539,10 @@ class Runtime:
             self.log.error("summary failed", error=repr(exc))
         finally:
             if self.channel is not None:
-                self.channel.close(node=self.records_have_node_view())
+                try:
+                    self.channel.close()
+                except Exception as exc:
+                    self.log.info("cannot leave the activity channel", error=repr(exc))
             log.shutdown()
 
     # -- activity across processes ---------------------------------------------------------------
@@ -571,19 +597,19 @@ class Runtime:
             channel.publish_rank(own, self.process.rank)
             if channel.local_world_size > 1 and channel.local_rank == 0:
                 view = channel.node_view()
-                for record in self.records.values():
+                for record in self.records.values():  # by global rank: node 1 of 2x2 shows ranks 2,3
                     if record.enabled:
                         record.node = {rank: totals.get(record.feature.name, activity.Totals()).to_json()
                                        for rank, totals in sorted(view.ranks.items())}
-                if view.missing():
-                    self.log.warning("no activity report from local ranks", ranks=view.missing())
-                    self.node_missing = view.missing()
+                if view.silent:
+                    self.log.warning("no activity report from ranks", ranks=view.silent)
+                    self.node_silent = dict(view.silent)
         except Exception as exc:
             self.log.warning("cannot gather activity from other processes", error=repr(exc))
 
     def _open_channel(self) -> None:
         channel = activity.MainChannel.open(self.process.pid, self.process.local_rank,
-                                            self.process.local_world_size)
+                                            self.process.local_world_size, rank=self.process.rank)
         if channel is None:
             self.log.info("no directory for DataLoader workers' activity reports; the Summary counts this "
                           "process only")
@@ -631,12 +657,24 @@ class Runtime:
             pass
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
-        # torchrun stops ranks with SIGTERM: write the Summary, then die of the signal as before.
+        # torchrun stops ranks with SIGTERM (all of them, once one failed): write the Summary without
+        # waiting long for peers' reports, then die of the signal as before. Arriving during finish()
+        # (the exit path of a rank whose collective failed), it lets that call complete first.
+        activity.mark_stopping()
+        if self._finishing == threading.get_ident():
+            self._pending_signal = signum
+            return
         self.finish()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+        self._die_of(signum)
+
+    @staticmethod
+    def _die_of(signum: int) -> None:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
     def _after_fork(self) -> None:
+        if self.channel is not None:
+            self.channel.forget()
         self._fork_baseline = {name: r.calls for name, r in self.records.items() if r.calls}
         self._reporter = None  # a worker forked from a worker reports on its own
         process_mod.mark_forked_child(self.process)

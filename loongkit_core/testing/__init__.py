@@ -72,18 +72,26 @@ class RunResult:
         return "".join(p.read_text(errors="replace") for p in sorted(self.logdir.glob("*.log")))
 
 
-def run_snippet(code: str, env: Mapping[str, str] | None = None, *, tmp: Path, prelude: bool = True,
-                argv: Sequence[str] | None = None, timeout: float = 300, cwd: str | None = None) -> RunResult:
-    """Run ``code`` (or ``argv``) under loongkit in a fresh interpreter; see :class:`RunResult`."""
+def loongkit_environ(env: Mapping[str, str] | None = None, *, tmp: Path, prelude: bool = True) -> dict[str, str]:
+    """The environment :func:`run_snippet` gives its command: logs in ``tmp/logs``, the JSON Summary at
+    ``tmp/summary.json``, ``env`` on top, the prelude first on PYTHONPATH (``prelude=False``: bare).
+    For tests that start several jobs at once with ``subprocess.Popen``."""
     tmp.mkdir(parents=True, exist_ok=True)
-    logdir = tmp / "logs"
-    summary_path = tmp / "summary.json"
     full = clean_environ()
-    full.update({"LOONGKIT_LOGDIR": str(logdir), "LOONGKIT_SUMMARY_JSON": str(summary_path)})
+    full.update({"LOONGKIT_LOGDIR": str(tmp / "logs"), "LOONGKIT_SUMMARY_JSON": str(tmp / "summary.json")})
     full.update(env or {})
     if prelude:
         parts = [prelude_dir(), *[p for p in full.get("PYTHONPATH", "").split(os.pathsep) if p]]
         full["PYTHONPATH"] = os.pathsep.join(parts)
+    return full
+
+
+def run_snippet(code: str, env: Mapping[str, str] | None = None, *, tmp: Path, prelude: bool = True,
+                argv: Sequence[str] | None = None, timeout: float = 300, cwd: str | None = None) -> RunResult:
+    """Run ``code`` (or ``argv``) under loongkit in a fresh interpreter; see :class:`RunResult`."""
+    logdir = tmp / "logs"
+    summary_path = tmp / "summary.json"
+    full = loongkit_environ(env, tmp=tmp, prelude=prelude)
     command = list(argv) if argv is not None else [sys.executable, "-c", code]
     proc = subprocess.run(command, env=full, capture_output=True, text=True, timeout=timeout, cwd=cwd)
     extra: dict[str, Any] = {}

@@ -148,6 +148,7 @@ dist.destroy_process_group()
     text = _row(r.stdout, "fast_augment")
     assert re.search(r"fast_augment\s+\*", text), text
     assert "(rank 1 of 2, 2 workers, 5 calls)" in text, text
+    assert "No activity report" not in r.stdout  # both ranks reported (node rows name global ranks)
     rank0 = r.feature("fast_augment")  # LOONGKIT_SUMMARY_JSON without {rank}: rank 0's own file
     assert rank0["calls"] == 0 and rank0["worker_calls"] == 0
     assert rank0["node"]["1"] == {"calls": 1, "worker_calls": 4, "workers": 2}, rank0

@@ -166,6 +166,8 @@ def build(monitor: Monitor, records: list[Any] | None = None) -> dict[str, Any]:
     details["recommendations"] = analysis.recommendations(facts)
     details["stopped_at_max_steps"] = monitor.stopped
     details["notes"] = list(monitor.notes) + (list(gatherer.notes) if gatherer is not None else [])
+    if gatherer is not None and gatherer.silent:  # ranks that sent nothing, and why (rank 0 only)
+        details["silent_ranks"] = {r: why for r, why in sorted(gatherer.silent.items())}
     details["hooks"] = dict(monitor.hooks)
     if len(ranks) > 1:
         details["ranks"] = {r: {**{k: d.get(k) for k in RANK_KEYS}, "straggler_score": scores.get(r)}

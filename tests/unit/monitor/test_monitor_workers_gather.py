@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from loongkit_monitor import dataworkers, gather, procstat
@@ -108,7 +110,55 @@ def test_a_missing_rank_costs_at_most_the_wait(tmp_path: Path) -> None:
     found = rank0.collect({"rank": 0}, wait=1.0)
     assert list(found) == [0]
     assert clock.now == pytest.approx(1.0, abs=gather.POLL)
-    assert rank0.notes == ["1 rank(s) sent no monitor report within 1 s"]
+    assert rank0.silent == {1: "it never joined the node's channel (ended early, or runs without loongkit)"}
+    assert rank0.notes == ["rank 1 sent no monitor report: " + rank0.silent[1]]
+
+
+@pytest.fixture
+def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
+    """Node 1 of a 2x2 job: the activity channel of its local ranks (global ranks 2 and 3)."""
+    from loongkit_core import activity
+
+    monkeypatch.setattr(activity, "_stopping", [])
+    env = {"MASTER_PORT": "29500", "TORCHELASTIC_RESTART_COUNT": "0"}
+    channels = [activity.MainChannel.open(os.getpid(), local, 2, env, rank=2 + local, root=str(tmp_path))
+                for local in range(2)]
+    yield channels
+    for channel in channels:
+        channel.close()
+
+
+def test_a_rank_that_ended_is_not_waited_for_and_is_named(node: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    dist = pytest.importorskip("torch.distributed")
+    store = dist.HashStore() if dist.is_available() else None
+    clock = Clock()
+    rank2 = gather.Gatherer(node[0].directory, 2, 0, 4, 2, clock=clock, sleep=clock.sleep)
+    rank2.capture_store(store)
+    node[1].forget()  # rank 3 SIGKILLed: the kernel dropped its locks, its member file stays
+    found = rank2.collect({"rank": 2}, wait=30.0)
+    assert list(found) == [2] and clock.now < 1.0
+    assert rank2.silent == {3: "its process ended without one (killed or crashed)"}
+    assert rank2.notes == ["rank 3 sent no monitor report: its process ended without one (killed or crashed)"]
+    if store is not None:  # ... and global rank 0 (node 0) learns it from the store: no wait there either
+        assert store.check(["loongkit-monitor/0/gone/3"])
+        rank0 = gather.Gatherer(None, 0, 0, 4, 2, clock=clock, sleep=clock.sleep)
+        rank0.capture_store(store)
+        for r in (1, 2):
+            store.set(f"loongkit-monitor/0/rank/{r}", json.dumps({"rank": r}))
+        start = clock.now
+        assert sorted(rank0.collect({"rank": 0}, wait=30.0)) == [0, 1, 2]
+        assert clock.now - start < 1.0 and list(rank0.silent) == [3]
+
+
+def test_a_stopping_job_waits_briefly_for_live_ranks(node: list[Any]) -> None:
+    from loongkit_core import activity
+
+    clock = Clock()
+    rank2 = gather.Gatherer(node[0].directory, 2, 0, 4, 2, clock=clock, sleep=clock.sleep)
+    activity.mark_stopping()  # torchrun's SIGTERM
+    assert list(rank2.collect({"rank": 2}, wait=30.0)) == [2]
+    assert clock.now == pytest.approx(activity.STOP_WAIT, abs=gather.POLL)
+    assert rank2.silent == {3: "not waited for: the job was being stopped"}
 
 
 def test_global_rank_zero_reads_other_nodes_through_the_store(monkeypatch: pytest.MonkeyPatch) -> None:
