@@ -90,6 +90,8 @@ class Progress:
         elapsed = (now - self.start) / 60
         if not self.total:
             return f"{self.label}: preparing the build, {elapsed:.1f} min so far"
+        if self.done < max(5, self.total // 10):  # the first files include the precompiled header's build
+            return f"{self.label}: {self.done}/{self.total} files, {elapsed:.1f} min so far"
         left = elapsed / max(self.done, 1) * (self.total - self.done)
         return (f"{self.label}: {self.done}/{self.total} files, {elapsed:.1f} min so far, "
                 f"~{left:.1f} min left")
