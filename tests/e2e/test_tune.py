@@ -103,9 +103,11 @@ def test_tune_under_torchrun_reads_rank_zero(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text(JOB)
     command = [TORCHRUN, "--standalone", "--nproc-per-node", "2", str(script)]
-    doc, stdout = tune(tmp_path, command, "--steps", "12", "--budget", "4", "--max-level", "1",
+    doc, stdout = tune(tmp_path, command, "--steps", "12", "--budget", "1", "--max-level", "1",
                        "--repeats", "1", plant=False, timeout=300)
-    assert doc["elapsed_s"] <= 240
+    # What this test is for is rank 0's figures under torchrun (the baseline trial); a 1-minute budget
+    # keeps it to the baseline and a trial or two (4 minutes took 109 s of CI for trials it never checked).
+    assert doc["elapsed_s"] <= 120
     first = doc["baseline"]["trials"][0]
     assert first["ok"] and first["steps"] == 12, stdout
     assert Path(first["summary"]).exists()  # rank 0's file: the template path itself
