@@ -147,7 +147,15 @@ class DynamicShapeFix(FeatureImpl):
         ctx.log.info("dynamic shape fix", flag=f"{target}.{path}", was=value, now=getattr(owner, attr))
 
     def _count_compiles(self, ctx: ActivationContext) -> None:
-        """The '*' means a compile ran with the fix in place (dynamo's compile-start callback)."""
+        """The '*' means a compile ran with the fix in place: dynamo's compile-start hook counts.
+
+        The hook is the handler's own ``run_start_callbacks``, which dynamo calls at the start of
+        every outermost compile (``callback_handler.install_callbacks`` in convert_frame), wrapped on
+        the handler instance. A callback registered with ``register_start_callback`` would not do:
+        ``torch._dynamo.reset()`` clears the registered callbacks (``callback_handler.clear()``),
+        and scripts reset between compiles (torch 2.9's dynamic-shape probe did before each case),
+        so such a counter stopped before the first compile and the row read ``calls=0``.
+        """
         if vars(self).get("_counting") is not None:
             return
         ctx.patcher.patch(self, "_counting", True, require=False)  # once per activation, forgotten at undo
@@ -155,25 +163,20 @@ class DynamicShapeFix(FeatureImpl):
         ctx.patcher.defer(live.clear)
         count = ctx.count
 
-        def started(*args: Any, **kwargs: Any) -> None:
-            count()
-
         def register(module: Any) -> None:
             if not live:
                 return
             handler = getattr(module, "callback_handler", None)
-            if handler is None or not hasattr(handler, "register_start_callback"):
-                count()  # no callback API to count with: the switched flag is all there is
+            run_start = getattr(handler, "run_start_callbacks", None)
+            if run_start is None:
+                count()  # no compile-start hook to count with: the switched flag is all there is
                 return
-            handler.register_start_callback(started)
 
-            def remove() -> None:
-                try:
-                    handler.remove_start_callback(started)
-                except (ValueError, AttributeError):  # torch._dynamo.reset() dropped it already
-                    pass
+            def run_start_callbacks(*args: Any, **kwargs: Any) -> Any:
+                count()
+                return run_start(*args, **kwargs)
 
-            ctx.patcher.defer(remove)
+            ctx.patcher.patch(handler, "run_start_callbacks", run_start_callbacks)  # undo: the class's again
 
         # Registered once torch._dynamo.callback has finished importing: the config module is
         # imported from inside torch._dynamo's own import, where pulling in more of it is unsafe.

@@ -177,6 +177,33 @@ def test_dynamic_applicable_branch(request: pytest.FixtureRequest, runtime: Call
     assert iconfig.triton.coalesce_tiling_analysis is True
 
 
+def test_dynamic_counts_compiles_after_reset(request: pytest.FixtureRequest, runtime: Callable[..., Runtime],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The '*' survives torch._dynamo.reset() between compiles (torch 2.9's dynamic-shape probe resets
+    before each case; a registered start callback was cleared by it and the row read calls=0)."""
+    import torch._dynamo.callback as dcallback
+    import torch._dynamo.config as dconfig
+    import torch._inductor.config as iconfig
+
+    fake_torch(monkeypatch, "2.9.0")
+    monkeypatch.delenv("TORCHINDUCTOR_COALESCE_TILING_ANALYSIS", raising=False)
+    patch_config(request, dconfig, enable_cpp_symbolic_shape_guards=True)
+    patch_config(request, iconfig, **{"triton.coalesce_tiling_analysis": True})
+    rt = runtime(DYN)
+    record = _activate_both(rt)
+    assert record.state == State.APPLIED, record.reason
+    for n in (3, 5):
+        torch._dynamo.reset()  # clears dynamo's registered compile callbacks
+        fn = torch.compile(lambda x: (x * 2).sum(0), backend="eager", dynamic=True)
+        torch.testing.assert_close(fn(torch.ones(n, 2)), torch.full((2,), 2.0 * n))
+        assert record.calls == (1 if n == 3 else 2)  # one compile each, counted once (the outermost)
+    rt.deactivate("dynamic_shape_fix")
+    assert "run_start_callbacks" not in vars(dcallback.callback_handler)  # the class's method again
+    torch._dynamo.reset()
+    torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))
+    assert record.calls == 2  # no counting once undone
+
+
 def test_dynamic_keeps_already_off_and_user_choice(request: pytest.FixtureRequest, runtime: Callable[..., Runtime],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     import torch._dynamo.config as dconfig
