@@ -34,7 +34,7 @@ def reference(feats: Tensor, coords: Tensor, B: int, Z: int, X: int, Y: int) -> 
     return out.reshape(B, Z, X, Y, C).permute(0, 4, 1, 2, 3).contiguous()
 
 
-@torch.library.custom_op("loongkit::bev_pool", mutates_args=())
+@dispatch.custom_op("loongkit::bev_pool")
 def op(feats: Tensor, coords: Tensor, B: int, Z: int, X: int, Y: int) -> Tensor:
     """[B, C, Z, X, Y]: sums of feats [N, C] per voxel coords [N, 4] = (x, y, z, batch)."""
     which, _ = backend(feats)
@@ -54,7 +54,7 @@ def _(feats: Tensor, coords: Tensor, B: int, Z: int, X: int, Y: int) -> Tensor:
     return feats.new_empty(B, feats.shape[1], Z, X, Y)
 
 
-@torch.library.custom_op("loongkit::bev_pool_backward", mutates_args=())
+@dispatch.custom_op("loongkit::bev_pool_backward")
 def backward_op(grad_output: Tensor, coords: Tensor, B: int, Z: int, X: int, Y: int) -> Tensor:
     """grad_feats [N, C]: each point's voxel row of grad_output [B, C, Z, X, Y] (zero when dropped)."""
     which, _ = backend(grad_output)

@@ -63,7 +63,7 @@ def reference(mc_ms_feat: Tensor, spatial_shape: Tensor, scale_start_index: Tens
     return out.reshape(bs, A, C)
 
 
-@torch.library.custom_op("loongkit::deformable_aggregation", mutates_args=())
+@dispatch.custom_op("loongkit::deformable_aggregation")
 def op(mc_ms_feat: Tensor, spatial_shape: Tensor, scale_start_index: Tensor, sampling_location: Tensor,
        weights: Tensor, inside_only: bool) -> Tensor:
     """[bs, anchors, C]: Sparse4D's deformable aggregation (see :func:`reference`)."""
@@ -86,7 +86,7 @@ def _(mc_ms_feat: Tensor, spatial_shape: Tensor, scale_start_index: Tensor, samp
     return mc_ms_feat.new_empty(mc_ms_feat.shape[0], sampling_location.shape[1], mc_ms_feat.shape[2])
 
 
-@torch.library.custom_op("loongkit::deformable_aggregation_backward", mutates_args=())
+@dispatch.custom_op("loongkit::deformable_aggregation_backward")
 def backward_op(grad_output: Tensor, mc_ms_feat: Tensor, spatial_shape: Tensor, scale_start_index: Tensor,
                 sampling_location: Tensor, weights: Tensor, inside_only: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_mc_ms_feat, grad_sampling_location, grad_weights)."""

@@ -36,7 +36,7 @@ def reference(logits: Tensor, target: Tensor, ignore_index: int, exponent: float
     return torch.stack([a, b, t], 2)
 
 
-@torch.library.custom_op("loongkit::dice_class_stats", mutates_args=())
+@dispatch.custom_op("loongkit::dice_class_stats")
 def op(logits: Tensor, target: Tensor, ignore_index: int, exponent: float) -> Tensor:
     """[N, C, 3] per-(sample, class) (sum p*t*valid, sum p^e, sum t^e) of logits [N, C, S] and labels [N, S]."""
     which, _ = backend(logits)
@@ -57,7 +57,7 @@ def _(logits: Tensor, target: Tensor, ignore_index: int, exponent: float) -> Ten
     return logits.new_empty(logits.shape[0], logits.shape[1], 3)
 
 
-@torch.library.custom_op("loongkit::dice_class_stats_backward", mutates_args=())
+@dispatch.custom_op("loongkit::dice_class_stats_backward")
 def backward_op(grad_stats: Tensor, logits: Tensor, target: Tensor, ignore_index: int, exponent: float) -> Tensor:
     which, _ = backend(logits)
     if which == "reference":

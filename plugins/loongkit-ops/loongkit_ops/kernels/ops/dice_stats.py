@@ -47,7 +47,7 @@ def reference(logits: Tensor, target: Tensor, activation: int, drop_class: int, 
     return torch.stack([a, b, t], 1).reshape(n, 3)
 
 
-@torch.library.custom_op("loongkit::dice_stats", mutates_args=())
+@dispatch.custom_op("loongkit::dice_stats")
 def op(logits: Tensor, target: Tensor, activation: int, drop_class: int, naive: bool) -> Tensor:
     """[N, 3] per-sample (sum p*t, sum p^2 | sum p, sum t^2) of logits [N, C, S] and labels [N, S]."""
     which, _ = backend(logits)
@@ -68,7 +68,7 @@ def _(logits: Tensor, target: Tensor, activation: int, drop_class: int, naive: b
     return logits.new_empty(logits.shape[0], 3)
 
 
-@torch.library.custom_op("loongkit::dice_stats_backward", mutates_args=())
+@dispatch.custom_op("loongkit::dice_stats_backward")
 def backward_op(grad_stats: Tensor, logits: Tensor, target: Tensor, activation: int, drop_class: int,
                 naive: bool) -> Tensor:
     which, _ = backend(logits)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import typing
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,6 +56,31 @@ def backend(t: Tensor, kernel: str, cpu_dtypes: tuple[torch.dtype, ...] = CPU_DT
             return "reference", "triton is not installed"
         return "triton", ""
     return "reference", f"no {kernel} kernel for device {t.device.type}"
+
+
+def custom_op(name: str) -> Callable[[Callable[..., Any]], Any]:
+    """``torch.library.custom_op(name, mutates_args=())`` for every torch the plugin declares (2.4.0+).
+
+    The op modules use ``from __future__ import annotations``, so their signatures hold strings
+    (``'Tensor'``), which torch 2.4's schema inference cannot resolve ("Parameter value has
+    unsupported type Tensor"); and torch before 2.5 accepts ``typing.List[float]`` but not
+    ``list[float]``. The annotations are resolved here (``typing.get_type_hints``) and builtin
+    ``list[X]`` parameters spelled ``typing.List[X]``, which every torch from 2.4 to 2.14 takes.
+    """
+
+    def define(fn: Callable[..., Any]) -> Any:
+        hints = typing.get_type_hints(fn)
+        fn.__annotations__ = {key: _schema_type(hint) if key != "return" else hint for key, hint in hints.items()}
+        return torch.library.custom_op(name, mutates_args=())(fn)
+
+    return define
+
+
+def _schema_type(hint: Any) -> Any:
+    """``list[X]`` as ``typing.List[X]`` (torch < 2.5 knows only the latter); other hints unchanged."""
+    if typing.get_origin(hint) is list:
+        return typing.List[typing.get_args(hint)[0]]  # type: ignore[misc]  # noqa: UP006
+    return hint
 
 
 def index_args(shapes: Tensor, starts: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -54,7 +54,7 @@ def reference(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor, 
     return out.reshape(bs, Lq, heads * C)
 
 
-@torch.library.custom_op("loongkit::ms_deform_attn", mutates_args=())
+@dispatch.custom_op("loongkit::ms_deform_attn")
 def op(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor, sampling_locations: Tensor,
        attention_weights: Tensor) -> Tensor:
     """[bs, Lq, heads*C] from value [bs, K, heads, C] (mmcv's MultiScaleDeformableAttnFunction maths)."""
@@ -79,7 +79,7 @@ def _(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor, sampling
     return value.new_empty(bs, sampling_locations.shape[1], heads * c)
 
 
-@torch.library.custom_op("loongkit::ms_deform_attn_backward", mutates_args=())
+@dispatch.custom_op("loongkit::ms_deform_attn_backward")
 def backward_op(grad_output: Tensor, value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor,
                 sampling_locations: Tensor, attention_weights: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_value, grad_sampling_locations, grad_attention_weights)."""

@@ -57,7 +57,7 @@ def reference(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor, 
     return out.reshape(nq, queue, q, heads * c).mean(1)
 
 
-@torch.library.custom_op("loongkit::ms_deform_attn_fused", mutates_args=())
+@dispatch.custom_op("loongkit::ms_deform_attn_fused")
 def op(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor, reference_points: Tensor,
        projection: Tensor, per_level: bool, queue: int) -> Tensor:
     """[NQ, Q, heads*C] from value [NQ*queue, K, heads, C], reference_points [NQ*queue, Q, R, 2] and the
@@ -87,7 +87,7 @@ def _(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor, referenc
     return value.new_empty(value.shape[0] // queue, projection.shape[1], value.shape[2] * value.shape[3])
 
 
-@torch.library.custom_op("loongkit::ms_deform_attn_fused_backward", mutates_args=())
+@dispatch.custom_op("loongkit::ms_deform_attn_fused_backward")
 def backward_op(grad_output: Tensor, value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor,
                 reference_points: Tensor, projection: Tensor, per_level: bool, queue: int) -> tuple[Tensor, Tensor]:
     """(grad_value, grad_projection), both contiguous."""

@@ -74,7 +74,7 @@ def hard_reference(points: Tensor, voxel_size: Sequence[float], coors_range: Seq
     return voxels, coors, counts.to(torch.int32)
 
 
-@torch.library.custom_op("loongkit::hard_voxelize", mutates_args=())
+@dispatch.custom_op("loongkit::hard_voxelize")
 def hard_op(points: Tensor, voxel_size: list[float], coors_range: list[float], max_points: int,
             max_voxels: int) -> tuple[Tensor, Tensor, Tensor]:
     """(voxels [M, max_points, F], coors int32 [M, 3] (z, y, x), num_points int32 [M]) of points [N, F]."""
@@ -98,7 +98,7 @@ def _(points: Tensor, voxel_size: list[float], coors_range: list[float], max_poi
             points.new_empty(m, dtype=torch.int32))
 
 
-@torch.library.custom_op("loongkit::dynamic_voxelize", mutates_args=())
+@dispatch.custom_op("loongkit::dynamic_voxelize")
 def dynamic_op(points: Tensor, voxel_size: list[float], coors_range: list[float]) -> Tensor:
     """int32 [N, 3] (z, y, x) voxel of each point, -1 rows for points outside coors_range."""
     which, _ = backend(points)
