@@ -46,11 +46,21 @@ def ext() -> Any:
     return module
 
 
+def interpreter_or_skip() -> None:
+    """Skip unless triton is installed and its CPU interpreter runs the kernels: triton 3.0 (torch
+    2.4's pin) raises "arange's arguments must be of type tl.constexpr" interpreting them (seen with
+    torch 2.4.1 + triton 3.0.0; triton 3.9 runs them). Not a verdict on triton 3.0 on a GPU."""
+    triton = pytest.importorskip("triton")
+    if triton.__version__.startswith("3.0."):
+        pytest.skip(f"triton {triton.__version__}'s interpreter rejects the kernels' tl.arange "
+                    "(arange's arguments must be of type tl.constexpr); interpreted checks need a newer triton")
+
+
 @pytest.fixture
 def run_interpreted(tmp_path: Path) -> Callable[..., Any]:
     """``run(script, *args, poison=True)``: run ``script`` in a child with TRITON_INTERPRET=1 (Triton
     kernels on CPU tensors) and return what it passed to ``save``. ``args`` travel as their repr."""
-    pytest.importorskip("triton")
+    interpreter_or_skip()
     runs = count()
 
     def run(script: str, *args: Any, poison: bool = True) -> Any:

@@ -17,7 +17,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+if triton.__version__.startswith("3.0."):  # as conftest.interpreter_or_skip says, for a whole module
+    pytest.skip(f"triton {triton.__version__}'s interpreter rejects the kernels' tl.arange (arange's arguments "
+                "must be of type tl.constexpr); interpreted checks need a newer triton", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[3]
 KIT = ROOT / "benchmarks" / "gpu" / "run_all.py"

@@ -35,8 +35,8 @@ def reference(mc_ms_feat: Tensor, spatial_shape: Tensor, scale_start_index: Tens
     bs, _, C = mc_ms_feat.shape
     _, A, P, cams, _ = sampling_location.shape
     levels, groups = weights.shape[4], weights.shape[5]
-    shapes = [[(int(h), int(w)) for h, w in row] for row in spatial_shape.tolist()]
-    starts = [[int(s) for s in row] for row in scale_start_index.reshape(cams, levels).tolist()]
+    shapes = [[(int(h), int(w)) for h, w in row] for row in dispatch.host_list(spatial_shape)]
+    starts = [[int(s) for s in row] for row in dispatch.host_list(scale_start_index.reshape(cams, levels))]
     x, y = sampling_location[..., 0], sampling_location[..., 1]  # [bs, A, P, cams]
     keep = (x > 0) & (x < 1) & (y > 0) & (y < 1) if inside_only else torch.ones_like(x, dtype=torch.bool)
     out = mc_ms_feat.new_zeros(bs, A, groups, C // groups)

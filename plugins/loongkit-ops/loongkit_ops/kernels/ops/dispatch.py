@@ -83,6 +83,16 @@ def _schema_type(hint: Any) -> Any:
     return hint
 
 
+def host_list(t: Tensor) -> Any:
+    """``t.tolist()``, element by element where torch 2.4 refuses ``tolist`` inside a torch.func
+    transform ("Cannot access data pointer of Tensor that doesn't have storage"; the references'
+    backward runs under ``torch.func.vjp``); ``item()`` works there."""
+    try:
+        return t.tolist()
+    except RuntimeError:
+        return t.item() if t.dim() == 0 else [host_list(row) for row in t]
+
+
 def index_args(shapes: Tensor, starts: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
     """Spatial shapes and level start indices as contiguous int64 tensors on ``device`` (the kernels' form)."""
     return (shapes.to(device=device, dtype=torch.int64).contiguous(),

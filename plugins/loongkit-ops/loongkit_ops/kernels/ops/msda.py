@@ -31,8 +31,8 @@ def reference(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor, 
     """
     bs, _, heads, C = value.shape
     _, Lq, _, _, P, _ = sampling_locations.shape
-    shapes = [(int(h), int(w)) for h, w in spatial_shapes.tolist()]
-    starts = [int(s) for s in level_start_index.tolist()]
+    shapes = [(int(h), int(w)) for h, w in dispatch.host_list(spatial_shapes)]
+    starts = [int(s) for s in dispatch.host_list(level_start_index)]
     out = value.new_zeros(bs, Lq, heads, C)
     by_head = value.permute(0, 2, 1, 3)  # [bs, heads, K, C]
     for level, (h_l, w_l) in enumerate(shapes):
