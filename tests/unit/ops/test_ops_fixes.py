@@ -32,6 +32,13 @@ def fake_torch(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
     monkeypatch.setattr(requirements, "installed", fake)
 
 
+def needs_flag(module: Any, flag: str) -> None:
+    """Skip where the installed torch's config has no ``flag`` for the fix to switch: a torch older
+    than the fix's declaration (torch>=2.6.0 / ==2.9.*), where the feature is not applicable."""
+    if not hasattr(module, flag):
+        pytest.skip(f"torch {requirements.installed('torch').version} has no {module.__name__}.{flag}")
+
+
 # -- DONATED_BUFFER_FIX ----------------------------------------------------------------------------
 DDP = {"LOONGKIT_DONATED_BUFFER_FIX": "1"}
 
@@ -44,6 +51,8 @@ def test_donated_not_applicable_on_installed_torch(runtime: Callable[..., Runtim
 
 def test_donated_detects_the_upstream_fix_not_the_version(runtime: Callable[..., Runtime],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    if not fixes.has_ddp_fix(fixes.torch_source("_dynamo/backends/distributed.py")):
+        pytest.skip(f"torch {requirements.installed('torch').version}'s source has no upstream DDP fix to detect")
     fake_torch(monkeypatch, "2.8.0")  # the version says affected; the code says fixed
     record = runtime(DDP).records["donated_buffer_fix"]
     assert record.state == State.NOT_APPLICABLE
@@ -72,6 +81,7 @@ def test_donated_applicable_branch_with_real_ddp_optimizer(request: pytest.Fixtu
     from torch._dynamo.backends.common import aot_autograd
     from torch.nn.parallel import DistributedDataParallel
 
+    needs_flag(fconfig, "donated_buffer")
     fake_torch(monkeypatch, "2.8.0")
     monkeypatch.setattr(fixes, "DDP_FIX_MARKERS", ("NoSuchMarker",))  # this torch has the fix: hide it
     stack = contextlib.ExitStack()
@@ -158,6 +168,7 @@ def test_dynamic_applicable_branch(request: pytest.FixtureRequest, runtime: Call
     import torch._dynamo.config as dconfig
     import torch._inductor.config as iconfig
 
+    needs_flag(dconfig, "enable_cpp_symbolic_shape_guards")
     fake_torch(monkeypatch, "2.9.0")
     monkeypatch.delenv("TORCHINDUCTOR_COALESCE_TILING_ANALYSIS", raising=False)
     patch_config(request, dconfig, enable_cpp_symbolic_shape_guards=True)  # 2.9.0's default
@@ -188,6 +199,7 @@ def test_dynamic_counts_compiles_after_reset(request: pytest.FixtureRequest, run
     import torch._dynamo.config as dconfig
     import torch._inductor.config as iconfig
 
+    needs_flag(dconfig, "enable_cpp_symbolic_shape_guards")
     fake_torch(monkeypatch, "2.9.0")
     monkeypatch.delenv("TORCHINDUCTOR_COALESCE_TILING_ANALYSIS", raising=False)
     patch_config(request, dconfig, enable_cpp_symbolic_shape_guards=True)
@@ -212,6 +224,7 @@ def test_dynamic_keeps_already_off_and_user_choice(request: pytest.FixtureReques
     import torch._dynamo.config as dconfig
     import torch._inductor.config as iconfig
 
+    needs_flag(dconfig, "enable_cpp_symbolic_shape_guards")
     fake_torch(monkeypatch, "2.9.1")
     monkeypatch.setenv("TORCHINDUCTOR_COALESCE_TILING_ANALYSIS", "1")
     patch_config(request, dconfig, enable_cpp_symbolic_shape_guards=False)  # 2.9.1 reverted the default
@@ -227,6 +240,7 @@ def test_dynamic_flag_missing_is_not_applicable(request: pytest.FixtureRequest, 
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     import torch._dynamo.config as dconfig
 
+    needs_flag(dconfig, "enable_cpp_symbolic_shape_guards")
     fake_torch(monkeypatch, "2.9.0")
     patch_config(request, dconfig, enable_cpp_symbolic_shape_guards=True)
     flags = dict(fixes.DynamicShapeFix.FLAGS)
