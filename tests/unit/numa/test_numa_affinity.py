@@ -44,6 +44,15 @@ def _clean_handoff(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
 
+def needs_pci_torch() -> None:
+    """Skip on torch < 2.5: it cannot report a GPU's PCI address, so the feature is not applicable there
+    unless LOONGKIT_NUMA_AFFINITY_ALLOW_INDEX=1 (test_old_torch_needs_allow_index checks that reason)."""
+    version = affinity._torch_version()
+    if version is not None and version < affinity.MIN_TORCH_PCI:
+        pytest.skip(f"torch {version[0]}.{version[1]} < 2.5: no GPU PCI address, NUMA affinity not applicable "
+                    "without LOONGKIT_NUMA_AFFINITY_ALLOW_INDEX=1")
+
+
 def options_for(environ: dict[str, str]) -> NumaAffinityOptions:
     return load_settings(NumaAffinityOptions, environ=environ)[0]
 
@@ -59,6 +68,7 @@ def fake_workers_module(monkeypatch: pytest.MonkeyPatch) -> list:
 
 
 def test_trainer_binds_rank_and_restores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    needs_pci_torch()
     require_cpus_0_1()
     two_cpu_two_node(tmp_path)
     registered = fake_workers_module(monkeypatch)
@@ -95,6 +105,7 @@ def test_trainer_binds_rank_and_restores(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def test_trainer_prefers_its_memory_node(tmp_path: Path) -> None:
+    needs_pci_torch()
     require_cpus_0_1()
     two_cpu_two_node(tmp_path)
     env = make_env(str(tmp_path), local_rank=0, local_world_size=2)
@@ -118,6 +129,7 @@ def test_trainer_prefers_its_memory_node(tmp_path: Path) -> None:
 def test_default_deactivate_restores_and_reapplies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No deactivate of its own: ctx.patcher.undo() puts back the CPU mask, the memory policy and the
     workers' plan (a value that was there before comes back); activating again binds again."""
+    needs_pci_torch()
     from loongkit_core.kit import FeatureImpl
 
     assert NumaAffinity.deactivate is FeatureImpl.deactivate
@@ -181,6 +193,7 @@ def test_worker_without_handoff_is_not_applicable(tmp_path: Path) -> None:
 
 def test_asymmetric_data_worker_moves_to_the_gpuless_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Trainer on CPU 0 (GPU node), its forked DataLoader worker on CPU 1 (GPU-less node), per the plan."""
+    needs_pci_torch()
     require_cpus_0_1()
     write_topology(tmp_path, nodes=2, cores_per_node=1, smt=1, gpus_per_node=(1, 0))
     registered = fake_workers_module(monkeypatch)
@@ -223,6 +236,7 @@ def test_on_data_worker_start_never_raises(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_missing_workers_module_is_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    needs_pci_torch()
     require_cpus_0_1()
     two_cpu_two_node(tmp_path)
     monkeypatch.setitem(sys.modules, "loongkit_core.workers", None)  # import fails
@@ -235,6 +249,7 @@ def test_missing_workers_module_is_a_warning(tmp_path: Path, monkeypatch: pytest
 
 
 def test_planned_cpus_outside_this_process_are_not_applicable(tmp_path: Path) -> None:
+    needs_pci_torch()
     intel_2s_8gpu(tmp_path)  # rank 4 belongs on CPUs 8-15,24-31, which this machine lacks
     env = make_env(str(tmp_path), local_rank=4, local_world_size=8)
     impl = NumaAffinity(numa_feature())
@@ -245,6 +260,7 @@ def test_planned_cpus_outside_this_process_are_not_applicable(tmp_path: Path) ->
 
 
 def test_unbound_plan_reason_becomes_not_applicable(tmp_path: Path) -> None:
+    needs_pci_torch()
     write_topology(tmp_path, nodes=2, cores_per_node=1, smt=1, gpus_per_node=(1, 0))  # asymmetric
     env = make_env(str(tmp_path), local_rank=0, local_world_size=1)
     impl = NumaAffinity(numa_feature())
@@ -316,6 +332,7 @@ def test_torch_gpu_missing_from_sysfs(tmp_path: Path, monkeypatch: pytest.Monkey
 
 def test_torch_without_cuda_falls_back_to_index_order(tmp_path: Path) -> None:
     """The real torch here is a CPU build: asking it yields nothing, and index order is used, said so."""
+    needs_pci_torch()
     intel_2s_8gpu(tmp_path)
     hw = detect(str(tmp_path))
     gpus, source = visible_gpus(hw, options_for({}), {}, local_world_size=8, use_torch=True)
@@ -341,6 +358,7 @@ def test_set_and_reset_memory_policy_in_child() -> None:
 
 def test_cpulist_of_handoff_matches_plan(tmp_path: Path) -> None:
     """The data CPUs a worker receives are the plan's data CPUs within the trainer's original mask."""
+    needs_pci_torch()
     require_cpus_0_1()
     two_cpu_two_node(tmp_path)
     env = make_env(str(tmp_path), local_rank=1, local_world_size=2)
