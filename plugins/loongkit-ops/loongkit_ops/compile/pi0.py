@@ -1,14 +1,15 @@
 """LOONGKIT_COMPILE_PI0PYTORCH: torch.compile the pi0 PyTorch policy's forward.
 
 The policy module is openpi's ``PI0Pytorch`` (``openpi.models_pytorch.pi0_pytorch``), which lerobot
-ports as ``lerobot.policies.pi0.modeling_pi0.PI0Pytorch`` and wraps in ``PI0Policy`` (the policy calls
-``self.model(images, img_masks, lang_tokens, lang_masks, state, actions, noise, time)`` for the training
-loss). ``PI0Pytorch.__init__`` is wrapped so the instance's call (its ``forward``, the flow-matching
-loss) is compiled (see :mod:`.common`). ``sample_actions`` (inference, with a KV cache) is left as is.
+ports as ``lerobot.policies.pi0.modeling_pi0.PI0Pytorch`` and wraps in ``PI0Policy``. ``PI0Pytorch.__init__``
+is wrapped so the instance's call (``nn.Module.__call__`` -> its ``forward``, the flow-matching loss) is
+compiled (see :mod:`.common`). ``sample_actions`` (inference, with a KV cache) is left as is.
 
-Both implementations have their own switch (``config.compile_model``) that assigns compiled
-``self.forward``/``self.sample_actions`` on the instance: such an instance is left alone (compiling it
-twice would only nest two compilers).
+Known gap (issue 25): lerobot's ``PI0Policy.forward`` calls ``self.model.forward(...)`` directly, which
+bypasses ``__call__`` and so the compiled call: on lerobot the row then reads "its code did not run".
+openpi's switch is ``pytorch_compile_mode`` (it compiles ``sample_actions`` only); an instance whose
+``forward``/``sample_actions`` is already compiled on the instance is left alone (compiling it twice would
+only nest two compilers).
 """
 
 from __future__ import annotations
