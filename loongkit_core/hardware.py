@@ -57,8 +57,9 @@ def parse_cpulist(text: str) -> frozenset[int]:
     return frozenset(cpus)
 
 
-def format_cpulist(cpus: Iterable[int]) -> str:
-    """The kernel's compact form of a CPU set: ``{0,1,2,3,8}`` -> ``"0-3,8"``; empty -> ``""``."""
+def format_cpulist(cpus: Iterable[int], min_run: int = 2) -> str:
+    """The kernel's compact form of a CPU set: ``{0,1,2,3,8}`` -> ``"0-3,8"``; empty -> ``""``. Runs shorter
+    than ``min_run`` are listed one by one (the Summary's ranks use 3: ``0,1`` reads better than ``0-1``)."""
     ordered = sorted(set(cpus))
     parts: list[str] = []
     i = 0
@@ -66,7 +67,10 @@ def format_cpulist(cpus: Iterable[int]) -> str:
         j = i
         while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
             j += 1
-        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        if j - i + 1 >= max(min_run, 2):
+            parts.append(f"{ordered[i]}-{ordered[j]}")
+        else:
+            parts.extend(str(n) for n in ordered[i:j + 1])
         i = j + 1
     return ",".join(parts)
 

@@ -139,18 +139,9 @@ def _n(count: int, word: str) -> str:
 
 def _ranks(ranks: Sequence[int]) -> str:
     """``0,1`` ; ``0-7`` ; ``0-3,5,7-9``: runs of three or more as a range, so 8 or 64 ranks stay short."""
-    out: list[str] = []
-    i = 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        if j - i >= 2:
-            out.append(f"{ranks[i]}-{ranks[j]}")
-        else:
-            out.extend(str(r) for r in ranks[i:j + 1])
-        i = j + 1
-    return ",".join(out)
+    from loongkit_core.hardware import format_cpulist  # at exit only; the same compaction as CPU lists
+
+    return format_cpulist(ranks, min_run=3)
 
 
 def activity_text(record: FeatureRecord) -> str:
