@@ -57,7 +57,7 @@ def tests(session: nox.Session) -> None:
     # Each plugin's unit tests run once, in its plugin-<name> session (the plugin installed alone, as a
     # wheel): running them here too cost CI their time twice for no behaviour the other run misses.
     ignore = [f"--ignore={path}" for plugin in PLUGINS for path in _plugin_unit_tests(Path(plugin))]
-    session.run("pytest", "-m", "not integration", "-rs", *ignore, *session.posargs)
+    session.run("pytest", "-m", "not integration and not published", "-rs", *ignore, *session.posargs)
     # Guard start-up (issue 18): a heavy import sneaking into the fast path, the boot of a process that
     # reuses its job's resolution, or a spawned worker's, fails the build. --check compares each case's CPU
     # time and peak RSS over bare Python with its goal (no feature 2 ms / 0.5 MiB, LOONGKIT_ALL=1 60 ms /
@@ -272,6 +272,20 @@ def _wheel_tests(session: nox.Session, tmp: Path, *args: str) -> None:
         session.run("pytest", str(ROOT / "tests" / "wheels"), *args, env=env)
     finally:
         session.chdir(ROOT)
+
+
+@nox.session(name="published-lerobot", tags=["published"])
+def published_lerobot(session: nox.Session) -> None:
+    """LOONGKIT_COMPILE_PI0PYTORCH on the published lerobot 0.4.4 (the registry's newest): its PI0Policy trained
+    three steps, compiled beside an eager copy (tests/published). lerobot accepts torch < 2.11 and
+    torchvision < 0.26: PyPI's torch 2.10.0 (a CUDA build, run on the CPU; a ~8 GB venv) and its torchvision.
+    Not in CI (`-t test`): about 4 min of installs from the registry, then ~4 min of CPU inductor
+    compiles on 2 cores.
+    """
+    session.install("-U", "pip", "wheel", "setuptools<81")
+    session.install("torch==2.10.0", "torchvision==0.25.0", "lerobot==0.4.4", *HF_DEPS[:1])
+    session.install("-e", ".", "-e", str(ROOT / "plugins" / "loongkit-ops"), *TEST_DEPS)
+    session.run("pytest", "-m", "published", "-rs", "tests/published", *session.posargs)
 
 
 # -- compatibility matrix (issue 26): `nox -t compat`, one venv per row, torch pinned ---------------------

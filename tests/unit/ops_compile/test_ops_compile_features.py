@@ -282,10 +282,62 @@ def test_pi0_forward_compiled_equal(runtime: Callable[..., Runtime], monkeypatch
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
     assert record.calls == 1 and record.config["compiled"] == {f"{PI0_TARGET}.PI0Pytorch": 1}
+    # lerobot's PI0Policy.forward calls `self.model.forward(...)`, bypassing nn.Module.__call__: compiled too
+    torch.testing.assert_close(a.forward(*args).mean(), la.detach(), rtol=1e-6, atol=1e-7)
+    assert record.calls == 2
+    assert "forward" not in a.__dict__ and "forward" not in b.__dict__  # nothing on the instance: copies are eager
 
     own = PI0Pytorch(types.SimpleNamespace(compile_model=True))  # compiled by its config: left alone
     assert own._compiled_call_impl is None
     assert record.config["eager"] == {f"{PI0_TARGET}.PI0Pytorch": "already compiled by config.compile_model"}
+
+
+OPENPI_TARGET = "openpi.models_pytorch.pi0_pytorch"
+
+
+class OpenpiPI0Pytorch(torch.nn.Module):
+    """openpi's signature and switch: `pytorch_compile_mode` compiles `sample_actions` only."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(3, 3)
+        if config.pytorch_compile_mode is not None:
+            self.sample_actions = torch.compile(self.sample_actions, backend="eager")
+
+    def sample_actions(self, observation: torch.Tensor) -> torch.Tensor:
+        return self.proj(observation)
+
+    def forward(self, observation: torch.Tensor, actions: torch.Tensor, noise: Any = None,
+                time: Any = None) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.proj(observation), actions, reduction="none")
+
+
+def test_pi0_openpi_forward_compiled_beside_its_own_switch(runtime: Callable[..., Runtime],
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          cheap_backend: None) -> None:
+    fake_module(monkeypatch, OPENPI_TARGET, PI0Pytorch=OpenpiPI0Pytorch)
+    record = activated(runtime({"LOONGKIT_COMPILE_PI0PYTORCH": "1"}), "compile_pi0pytorch", OPENPI_TARGET)
+    model = OpenpiPI0Pytorch(types.SimpleNamespace(pytorch_compile_mode="default"))
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    model.forward(x, y)  # openpi's switch compiled sample_actions only: the training forward is ours
+    model(x, y)
+    assert record.calls == 2 and record.config["compiled"] == {f"{OPENPI_TARGET}.PI0Pytorch": 1}
+    assert record.config["eager"] == {}
+
+
+def test_pi0_deactivate_restores_forward(runtime: Callable[..., Runtime], monkeypatch: pytest.MonkeyPatch,
+                                        cheap_backend: None) -> None:
+    fake_module(monkeypatch, PI0_TARGET, PI0Pytorch=PI0Pytorch)
+    original = PI0Pytorch.__dict__["forward"]
+    rt = runtime({"LOONGKIT_COMPILE_PI0PYTORCH": "1"})
+    record = activated(rt, "compile_pi0pytorch", PI0_TARGET)
+    assert PI0Pytorch.__dict__["forward"] is not original
+    policy = PI0Pytorch(types.SimpleNamespace(compile_model=False))
+    rt.deactivate("compile_pi0pytorch")
+    assert PI0Pytorch.__dict__["forward"] is original and record.state != State.APPLIED
+    args = ([], [], None, None, torch.randn(2, 4), torch.randn(2, 5, 3), torch.randn(2, 5, 3), torch.rand(2))
+    policy.forward(*args)
+    assert record.calls == 0
 
 
 def test_pi0_not_applicable_on_old_torch(runtime: Callable[..., Runtime], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -159,7 +159,7 @@ class Compiler:
             **(extra or {}),
         }
         ctx.set_config(self.config)
-        self._groups: dict[str, Callable[..., Any]] = {}
+        self._groups: dict[tuple[str, types.CodeType], Callable[..., Any]] = {}
         self._modules: weakref.WeakSet[Any] = weakref.WeakSet()
         self._feature = ctx.feature.name
         # Modules are compiled in place (their _compiled_call_impl slot) and held weakly, not through
@@ -167,14 +167,15 @@ class Compiler:
         ctx.patcher.defer(self.uncompile)
 
     # -- installing ------------------------------------------------------------------------------
-    def _group_entry(self, group: str) -> Callable[..., Any]:
-        compiled = self._groups.get(group)
+    def _group_entry(self, group: str, entry: Callable[..., Any] = _entry) -> Callable[..., Any]:
+        key = (group, entry.__code__)
+        compiled = self._groups.get(key)
         if compiled is None:
-            code = _entry.__code__
+            code = entry.__code__
             tag = "".join(c if c.isalnum() else "_" for c in group)
             fresh = code.replace(co_name=f"loongkit_{tag}", co_qualname=f"loongkit_{tag}")  # own dynamo cache
-            fn = types.FunctionType(fresh, _entry.__globals__, fresh.co_name)
-            compiled = self._groups[group] = self.torch.compile(fn, **self.kwargs)
+            fn = types.FunctionType(fresh, entry.__globals__, fresh.co_name, None, entry.__closure__)
+            compiled = self._groups[key] = self.torch.compile(fn, **self.kwargs)
         return compiled
 
     def compile_module(self, module: Any, name: str, group: str | None = None) -> bool:
@@ -193,6 +194,19 @@ class Compiler:
         module._compiled_call_impl = self.guard(compiled_call, module._call_impl, name, group)
         self._modules.add(module)
         return True
+
+    def compile_method(self, function: Callable[..., Any], name: str, group: str) -> Callable[..., Any]:
+        """A compiled, guarded ``function(obj, *args, **kwargs)``: for a method the training loop calls
+        directly (``model.forward(...)``, which bypasses ``nn.Module.__call__`` and so the compiled slot).
+
+        The instance is an argument, as in :func:`_entry`, so instances share the group's graphs; the
+        caller decides which instances take this path (see ``_patch.compiled_method``).
+        """
+
+        def method_entry(obj: Any, *args: Any, **kwargs: Any) -> Any:
+            return function(obj, *args, **kwargs)
+
+        return self.guard(self._group_entry(group, method_entry), function, name, group)
 
     def guard(self, compiled: Callable[..., Any], eager: Callable[..., Any], name: str,
               group: str | None = None) -> Callable[..., Any]:

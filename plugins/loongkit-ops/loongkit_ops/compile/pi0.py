@@ -1,15 +1,17 @@
-"""LOONGKIT_COMPILE_PI0PYTORCH: torch.compile the pi0 PyTorch policy's forward.
+"""LOONGKIT_COMPILE_PI0PYTORCH: torch.compile the pi0 PyTorch policy's forward (the flow-matching loss).
 
 The policy module is openpi's ``PI0Pytorch`` (``openpi.models_pytorch.pi0_pytorch``), which lerobot
-ports as ``lerobot.policies.pi0.modeling_pi0.PI0Pytorch`` and wraps in ``PI0Policy``. ``PI0Pytorch.__init__``
-is wrapped so the instance's call (``nn.Module.__call__`` -> its ``forward``, the flow-matching loss) is
-compiled (see :mod:`.common`). ``sample_actions`` (inference, with a KV cache) is left as is.
+ports as ``lerobot.policies.pi0.modeling_pi0.PI0Pytorch`` and wraps in ``PI0Policy``. What is compiled is
+what the published training loops call: lerobot's ``PI0Policy.forward`` calls ``self.model.forward(...)``
+directly (bypassing ``nn.Module.__call__``), openpi's trainer calls the module. So ``PI0Pytorch.forward``
+is patched on the class to dispatch each instance built while the feature is on to its compiled forward
+(``_patch.CompiledMethod``); a module call reaches it through ``_call_impl``. ``sample_actions``
+(inference, with a KV cache) is left as is.
 
-Known gap (issue 25): lerobot's ``PI0Policy.forward`` calls ``self.model.forward(...)`` directly, which
-bypasses ``__call__`` and so the compiled call: on lerobot the row then reads "its code did not run".
-openpi's switch is ``pytorch_compile_mode`` (it compiles ``sample_actions`` only); an instance whose
-``forward``/``sample_actions`` is already compiled on the instance is left alone (compiling it twice would
-only nest two compilers).
+The upstream switches, as they are: lerobot's ``config.compile_model`` assigns a compiled
+``self.forward`` (and ``sample_actions``) on the instance, which is then left alone (compiling it twice
+would only nest two compilers); openpi's ``pytorch_compile_mode`` compiles ``sample_actions`` only, so
+the training forward is still compiled here.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 from loongkit_core.context import ActivationContext, NotApplicable
 from loongkit_core.kit import FeatureImpl
-from loongkit_ops.compile._patch import after_init
+from loongkit_ops.compile._patch import CompiledMethod, after_init
 from loongkit_ops.compile.common import Compiler
 
 CLASS = "PI0Pytorch"
@@ -47,11 +49,13 @@ class CompilePi0(FeatureImpl):
         compiler = self.compiler
         group = f"{target}.{CLASS}"
 
+        forward = CompiledMethod(ctx, cls, "forward")
+
         def step(policy: Any) -> None:
             if "forward" in policy.__dict__:
                 compiler.keep_eager(group, "already compiled by config.compile_model")
                 return
-            compiler.compile_module(policy, group, group=group)
+            forward.install(policy, compiler.compile_method(forward.original, group, group))
 
         after_init(ctx, cls, compiler, step)
-        ctx.log.info("pi0 policy forward will be compiled at construction", cls=group)
+        ctx.log.info("pi0 policy forward will be compiled at construction (called or as .forward)", cls=group)

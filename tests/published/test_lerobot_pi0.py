@@ -1,0 +1,42 @@
+"""LOONGKIT_COMPILE_PI0PYTORCH on the published lerobot (from the registry): `nox -s published-lerobot`.
+
+lerobot's ``PI0Policy.forward`` computes the loss with ``self.model.forward(...)``: a compile of the module's
+call alone is applied but never runs there (the Summary read "[applied, its code did not run]", 0 calls).
+The job (lerobot_pi0_job.py) trains the real ``PI0Policy`` for three steps beside an eager copy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lerobot.policies.pi0.modeling_pi0", reason="lerobot is installed by nox -s published-lerobot")
+pytestmark = pytest.mark.published
+
+JOB = Path(__file__).with_name("lerobot_pi0_job.py")
+GROUP = "lerobot.policies.pi0.modeling_pi0.PI0Pytorch"
+
+
+def test_pi0_policy_training_step_is_compiled(tmp_path: Path) -> None:
+    summary, out = tmp_path / "summary.json", tmp_path / "job.json"
+    env = {**os.environ, "LOONGKIT_COMPILE_PI0PYTORCH": "1", "LOONGKIT_SUMMARY_JSON": str(summary)}
+    run = subprocess.run([str(Path(sys.executable).with_name("loongkit-run")), sys.executable, str(JOB), str(out)],
+                         env=env, capture_output=True, text=True, timeout=1500)
+    print(run.stdout[-4000:], run.stderr[-4000:])
+    assert run.returncode == 0
+    row = next(f for f in json.loads(summary.read_text())["features"] if f["name"] == "compile_pi0pytorch")
+    assert row["state"] == "active", row  # starred: its compiled forward ran
+    assert row["calls"] == 3  # the three training steps of the compiled policy; the eager copy's are not
+    config = row["config"]
+    assert config["compiled"] == {GROUP: 1} and config["fallback"] == {}
+    assert config["compiles"] >= 1 and config["compile_seconds"] > 0
+    assert config["eager"] == {GROUP: "already compiled by config.compile_model"}  # lerobot's own switch
+    result = json.loads(out.read_text())
+    for ours, eager in zip(result["losses"], result["eager_losses"], strict=True):
+        assert ours == pytest.approx(eager, rel=1e-5)
+    assert result["grad0_params"] > 50 and result["grad0_max_rel"] < 1e-4, result
