@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from loongkit_core import requirements
 from loongkit_core.patcher import Patcher
+from loongkit_core.record import Record
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms in every booting process)
 if TYPE_CHECKING:
@@ -60,18 +61,36 @@ class Environment:
         return found.version if found else None
 
 
+class FeatureStatus(Record):
+    """One feature of this process as another feature reads it (:meth:`ActivationContext.features`): its
+    declaration, whether it is enabled (and by its own variable), its state and reason when asked. A copy:
+    changing it changes nothing (the runtime owns the records)."""
+
+    __slots__ = ("enabled", "explicit", "feature", "reason", "state")
+    _fields = ("feature", "enabled", "explicit", "state", "reason")
+
+    def __init__(self, feature: Feature, enabled: bool, explicit: bool, state: State, reason: str) -> None:
+        self.feature = feature
+        self.enabled = enabled
+        self.explicit = explicit
+        self.state = state
+        self.reason = reason
+
+
 class ActivationContext:
     """Handed to ``loongkit_activate``: where a feature records what it did and that it ran."""
 
     def __init__(self, record: FeatureRecord, env: Environment, logger: Any,
                  on_import: Callable[[str, Callable[[Any], None]], None],
-                 at_exit: Callable[[FeatureRecord, Callable[[], None]], None] | None = None) -> None:
+                 at_exit: Callable[[FeatureRecord, Callable[[], None]], None] | None = None,
+                 features: Callable[[], Iterable[FeatureRecord]] | None = None) -> None:
         self.record = record
         self.env = env
         self.log = logger
         self.patcher = Patcher()
         self._on_import = on_import
         self._at_exit = at_exit
+        self._features = features
 
     @classmethod
     def standalone(cls, feature: Feature, state: Any = None, logger: str = "loongkit",
@@ -105,6 +124,13 @@ class ActivationContext:
     def set_config(self, config: object) -> None:
         """Replace what the Summary shows as this feature's configuration."""
         self.record.config = config
+
+    def features(self) -> list[FeatureStatus]:
+        """Every feature declared in this process, this one included, enabled or not, in declaration
+        order, as read-only copies (e.g. for a report that recommends features). A ``standalone`` context
+        knows only its own."""
+        records = self._features() if self._features is not None else (self.record,)
+        return [FeatureStatus(r.feature, r.enabled, r.explicit, r.state, r.reason) for r in records]
 
     def detail(self, key: str, value: object) -> None:
         """A fact for the JSON summary and the log (e.g. the CPUs a rank was bound to)."""
@@ -159,9 +185,11 @@ class ActivationContext:
             self.log.info("feature fell back", reason=why)
 
     def not_applicable(self, why: str) -> None:
-        """Found out after activation that the target is not what the feature expects (a class that
-        registers later and differs). Undo what was patched for it first; ``applied()`` reverts this
-        when a later target fits."""
+        """Found out that a target is not what the feature expects (a class a registry watch finds, already
+        registered while ``activate`` runs or registering later, that differs). Undo what was patched for
+        it first; ``applied()`` reverts this when a later target fits. Said while ``activate`` runs, it is
+        the state the activation ends in (the runtime moves a feature to APPLIED only where nothing else
+        was said)."""
         from loongkit_core.feature import State
 
         self.record.state, self.record.reason = State.NOT_APPLICABLE, why

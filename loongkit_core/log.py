@@ -596,6 +596,12 @@ def log_path() -> str | None:
     return _output.path if _output.kind == "file" else None
 
 
+def destination_kind() -> str | None:
+    """Where records go now: "file", "stdout" or "stderr"; None before configure() and after shutdown()
+    (e.g. a plugin that prints a line itself unless :func:`write_block` already put it on stdout)."""
+    return _output.kind
+
+
 def shutdown() -> None:
     """Close the log file; later records are dropped (as before configure())."""
     _output.close()

@@ -368,7 +368,8 @@ class Runtime:
         ctx = self.contexts.get(record.feature.name)
         if ctx is None:
             ctx = ActivationContext(record, self.env, log.get_logger(f"loongkit.{record.feature.name}"),
-                                    importhooks.when_imported, self._register_exit)
+                                    importhooks.when_imported, self._register_exit,
+                                    lambda: self.records.values())
             self.contexts[record.feature.name] = ctx
         return ctx
 
@@ -380,13 +381,14 @@ class Runtime:
             importhooks.when_imported(target, _Activation(self, record, target))
 
     def activate(self, record: FeatureRecord, target: str | None) -> None:
-        if record.state in (State.FAILED, State.NOT_APPLICABLE):
+        if record.state == State.FAILED or (record.state == State.NOT_APPLICABLE and not self._in_force(record)):
             return
         if not self._confirm(record):
             return
         ctx = self.context(record)
         start = time.perf_counter()
-        record.reason = ""  # the hook may set one ("no CUDA device") that the Summary shows
+        if record.state != State.NOT_APPLICABLE:  # what the feature said (ctx.not_applicable) stays
+            record.reason = ""  # the hook may set one ("no CUDA device") that the Summary shows
         calls_before = record.calls
         try:
             with _watchdog(self.settings.activation_timeout):
@@ -412,9 +414,26 @@ class Runtime:
             return
         if target is not None:
             record.applied_targets.append(target)
-        record.state = State.APPLIED
-        self.log.info("feature applied", feature=record.feature.name, target=target,
-                      seconds=round(time.perf_counter() - start, 4), patches=len(ctx.patcher))
+        # A feature's state follows its verbs: the runtime only moves ARMED to APPLIED. What the hook said
+        # (ctx.not_applicable() for a class a registry watch found already registered, ctx.applied()), or
+        # said at an earlier target, stays.
+        if record.state == State.ARMED:
+            record.state = State.APPLIED
+        seconds = round(time.perf_counter() - start, 4)
+        if record.state == State.APPLIED:
+            self.log.info("feature applied", feature=record.feature.name, target=target, seconds=seconds,
+                          patches=len(ctx.patcher))
+        else:  # in force (its watch stays), with what it said
+            self.log.info("feature activated", feature=record.feature.name, target=target,
+                          state=record.state.value, reason=record.reason, seconds=seconds, patches=len(ctx.patcher))
+
+    def _in_force(self, record: FeatureRecord) -> bool:
+        """Whether a feature that is NOT_APPLICABLE still has something in force from an earlier activation:
+        it said so itself (``ctx.not_applicable``) while a hook of its stays installed (a registry watch that
+        may find a class that fits, then says ``ctx.applied()``), so its other targets still activate. Not
+        so after resolution, ``raise NotApplicable`` (the runtime undid its patcher) or a fault."""
+        ctx = self.contexts.get(record.feature.name)
+        return ctx is not None and len(ctx.patcher) > 0
 
     def deactivate(self, name: str) -> None:
         """Undo a feature's patches (tests and ``unpatch`` symmetry)."""

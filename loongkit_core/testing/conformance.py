@@ -20,7 +20,15 @@ What it checks (each problem is one line of the assertion message):
 * the variables the feature's configure step reads (every settings model it loads, with
   ``load_settings``) are exactly its declared ``options`` (a variable read but not declared is called
   "unknown, did you mean" at boot; one declared but not read is a dead name in the docs), and with
-  every variable unset configure gives no warning (defaults are valid).
+  every variable unset configure gives no warning (defaults are valid);
+* the seam between a plugin and the core (:func:`seam_problems`, read from the source of every module of
+  the plugin's packages, functions included): it never writes a feature record (``record.state = ...``,
+  ``ctx.record.calls += 1``, ``record.details[k] = v``, ``setattr(record, ...)``, a ``State`` member
+  assigned anywhere): the runtime owns the records, a feature says what happened through the
+  ActivationContext verbs; no impl overrides ``deactivate`` (every change goes through ``ctx.patcher``,
+  undone by the default); it imports no other loongkit plugin's package (plugins meet only through the
+  core); it imports none of the core's :data:`RUNTIME_INTERNALS` (``runtime.current()`` and the rest of
+  the machinery that loads plugins and runs features) and no private (``_``) name of a core module.
 """
 
 from __future__ import annotations
@@ -44,6 +52,20 @@ from loongkit_core import hookspecs
 # Python process of a job, and these cost 0.1-2 s each (import them inside activate()).
 HEAVY_MODULES = ("torch", "numpy", "triton", "mmcv", "mmengine", "mmdet", "mmseg", "mmdet3d", "transformers",
                  "accelerate")
+
+# The core's machinery that loads plugins and runs features: no plugin imports these. What a feature
+# needs of it comes through its ActivationContext (ctx.features(), ctx.log, ctx.on_import, ctx.at_exit),
+# its Environment (ctx.env: settings, process, hardware) and the core's other modules (context, kit,
+# feature, settings, log, hardware, process, workers, activity, requirements, resident, kernels,
+# kernelbuild, cgroupfs, compare, testing).
+RUNTIME_INTERNALS = ("loongkit_core.runtime", "loongkit_core.resolved", "loongkit_core.manager",
+                     "loongkit_core.importhooks", "loongkit_core._boot", "loongkit_core.all", "loongkit_core.prelude",
+                     "loongkit_core.launcher")
+# The fields of a FeatureRecord (loongkit_core.feature): written by the runtime and the context's verbs only.
+RECORD_FIELDS = frozenset({"state", "reason", "explicit", "enabled", "config", "calls", "activation_calls",
+                           "worker_calls", "workers", "node", "applied_targets", "policy", "details"})
+_MUTATORS = frozenset({"append", "extend", "insert", "remove", "pop", "popitem", "clear", "update", "setdefault",
+                       "__setitem__", "__delitem__"})
 
 _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
 _VARIABLE = re.compile(r"LOONGKIT_[A-Z0-9_]+\Z")
@@ -118,9 +140,10 @@ def plugin_problems(plugin: Any, *, heavy: Sequence[str] = HEAVY_MODULES, extern
     impl_modules: list[str] = []
     for feature in features:
         problems.extend(_feature_problems(spec, feature, declared, switches, impl_modules))
+    module = ep.module if ep is not None else _module_of(spec)
     if imports:
-        module = ep.module if ep is not None else _module_of(spec)
         problems.extend(_import_problems(module, impl_modules, heavy))
+    problems.extend(seam_problems(spec, [m for m in [module, *impl_modules] if m]))
     return [f"{label}: {p}" for p in problems]
 
 
@@ -243,3 +266,211 @@ def _import_problems(module: str | None, impl_modules: list[str], heavy: Sequenc
             out.append(f"{role} {name} imports {', '.join(pulled)} at its top level: loongkit imports it at "
                        "boot in every process; import it inside activate()")
     return out
+
+
+# -- the seam ---------------------------------------------------------------------------------------------
+
+
+def seam_problems(spec: Any, modules: Sequence[str]) -> list[str]:
+    """What breaks the seam between plugin ``spec`` and the core: its impls' ``deactivate`` overrides, then
+    record writes, State assignments and imports of another plugin or of the core's internals anywhere in
+    the source of ``modules``' top-level packages (the declaration and impl modules: the plugin's code)."""
+    import inspect
+
+    from loongkit_core.kit import FeatureImpl
+
+    out: list[str] = []
+    for feature in spec.features:
+        if not feature.implemented or not spec.owns(feature):
+            continue
+        try:
+            cls = type(spec.impl(feature))
+        except Exception:  # reported by the impl check
+            continue
+        for klass in cls.__mro__:
+            if klass is FeatureImpl:
+                break
+            if "deactivate" in vars(klass):
+                where = ""
+                try:
+                    where = f" ({os.path.basename(inspect.getsourcefile(klass) or '')}:"
+                    where += f"{inspect.getsourcelines(klass.deactivate)[1]})"
+                except (OSError, TypeError):
+                    pass
+                out.append(f"{feature.name}: {klass.__qualname__} overrides deactivate{where}: make every change "
+                           "through ctx.patcher, which the default deactivate undoes")
+                break
+    own = {m.partition(".")[0] for m in modules}
+    others = _plugin_packages() - own
+    for path, rel in _source_files(sorted(own)):
+        out.extend(f"{rel}:{line}: {text}" for line, text in _file_seam_problems(path, own, others))
+    return out
+
+
+def _plugin_packages() -> set[str]:
+    """Top-level packages of every installed loongkit plugin (its entry point's module)."""
+    found = set()
+    for ep in importlib.metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP):
+        found.add(ep.value.partition(":")[0].strip().partition(".")[0])
+    return found
+
+
+def _source_files(tops: Sequence[str]) -> list[tuple[str, str]]:
+    """(path, path shown) of every ``.py`` file of the top-level modules/packages ``tops``."""
+    import importlib.util
+
+    files: list[tuple[str, str]] = []
+    for top in tops:
+        try:
+            found = importlib.util.find_spec(top)
+        except (ImportError, ValueError):
+            continue
+        if found is None:
+            continue
+        for location in found.submodule_search_locations or ():
+            base = os.path.dirname(os.path.abspath(location))
+            for directory, dirs, names in os.walk(location):
+                dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+                files.extend((os.path.join(directory, n), os.path.relpath(os.path.join(directory, n), base))
+                             for n in sorted(names) if n.endswith(".py"))
+        if not found.submodule_search_locations and found.origin and found.origin.endswith(".py"):
+            files.append((found.origin, os.path.basename(found.origin)))
+    return files
+
+
+def _is_other_plugin(name: str, own: set[str], others: set[str]) -> bool:
+    top = name.partition(".")[0]
+    return top not in own and (top in others or (top.startswith("loongkit_") and top != "loongkit_core"))
+
+
+def _internal(name: str) -> str | None:
+    """Why the dotted ``name`` is the core's internals (None: it is public)."""
+    for internal in RUNTIME_INTERNALS:
+        if name == internal or name.startswith(internal + "."):
+            return (f"{name}: the core's runtime internals (conformance.RUNTIME_INTERNALS); a plugin reads what "
+                    "it needs through its ActivationContext, its Environment and the core's public modules")
+    if name.startswith("loongkit_core."):
+        private = [p for p in name.split(".")[1:] if p.startswith("_") and not p.startswith("__")]
+        if private:
+            return f"{name}: a private name of the core"
+    return None
+
+
+def _file_seam_problems(path: str, own: set[str], others: set[str]) -> list[tuple[int, str]]:
+    import ast
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read(), path)
+    except (OSError, SyntaxError, ValueError) as exc:
+        return [(0, f"cannot be read for the seam check: {type(exc).__name__}: {exc}")]
+    found: dict[tuple[int, str], None] = {}
+
+    def add(node: Any, text: str) -> None:
+        found[(getattr(node, "lineno", 0), text)] = None
+
+    def imported(node: Any, name: str) -> None:
+        if _is_other_plugin(name, own, others):
+            add(node, f"imports {name}, another loongkit plugin's package: plugins meet only through the core")
+        why = _internal(name)
+        if why:
+            add(node, f"imports {why}")
+
+    aliases: dict[str, str] = {}  # local name -> the dotted core name it is bound to
+    states: set[str] = set()  # local names of loongkit_core.feature.State
+    records: set[str] = {"record"}  # local names of a feature record
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                imported(node, a.name)
+                if a.name.startswith("loongkit_core"):
+                    aliases[a.asname or a.name.partition(".")[0]] = a.name if a.asname else "loongkit_core"
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                imported(node, full if node.module == "loongkit_core" else node.module)
+                if node.module.startswith("loongkit_core"):
+                    aliases[a.asname or a.name] = full
+                    if full == "loongkit_core.feature.State":
+                        states.add(a.asname or a.name)
+                    if node.module != "loongkit_core" and not _internal(node.module) and _internal(full):
+                        add(node, f"imports {_internal(full)}")
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Attribute) and node.value.attr == "record":
+            records.update(t.id for t in node.targets if isinstance(t, ast.Name))
+
+    def dotted(node: Any) -> str | None:
+        parts: list[str] = []
+        while isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        if isinstance(node, ast.Name) and node.id in aliases:
+            return ".".join([aliases[node.id], *reversed(parts)])
+        return None
+
+    def recordish(node: Any) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "record") or (
+            isinstance(node, ast.Name) and (node.id in records or node.id.endswith("_record")))
+
+    def record_target(node: Any) -> bool:
+        """A target that writes a record: record.<field>, record.<field>[...] (and deeper)."""
+        while isinstance(node, ast.Subscript):
+            node = node.value
+        return isinstance(node, ast.Attribute) and node.attr in RECORD_FIELDS and recordish(node.value)
+
+    def is_state(node: Any) -> bool:
+        return isinstance(node, ast.Attribute) and (
+            (isinstance(node.value, ast.Name) and node.value.id in states)
+            or dotted(node.value) == "loongkit_core.feature.State")
+
+    def targets(node: Any) -> list[Any]:
+        if isinstance(node, ast.Assign):
+            raw = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            raw = [node.target]
+        elif isinstance(node, ast.Delete):
+            raw = node.targets
+        else:
+            return []
+        flat: list[Any] = []
+        while raw:
+            t = raw.pop()
+            if isinstance(t, (ast.Tuple, ast.List)):
+                raw.extend(t.elts)
+            else:
+                flat.append(t.value if isinstance(t, ast.Starred) else t)
+        return flat
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            name = dotted(node)
+            why = _internal(name) if name else None
+            if why:
+                add(node, f"uses {why}")
+        for target in targets(node):
+            if record_target(target):
+                add(node, f"writes the feature record ({ast.unparse(target)}): the runtime owns it; say what "
+                          "happened through the ActivationContext verbs (ctx.count, ctx.waiting, ctx.detail, ...)")
+        value = getattr(node, "value", None) if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) else None
+        if value is not None and any(is_state(n) for n in ast.walk(value)):
+            add(node, "assigns a State member: a feature's state follows its ActivationContext verbs "
+                      "(ctx.not_applicable, ctx.applied)")
+        if isinstance(node, ast.Call):
+            func = node.func
+            first = node.args[0] if node.args else None
+            fname = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if fname == "setattr" and first is not None and len(node.args) > 1 and recordish(first) and \
+                    isinstance(node.args[1], ast.Constant) and node.args[1].value in RECORD_FIELDS:
+                add(node, f"writes the feature record (setattr(..., {node.args[1].value!r})): the runtime owns it")
+            if isinstance(func, ast.Attribute) and func.attr in _MUTATORS and isinstance(func.value, ast.Attribute) \
+                    and func.value.attr in RECORD_FIELDS and recordish(func.value.value):
+                add(node, f"writes the feature record ({ast.unparse(func)}(...)): the runtime owns it; "
+                          "use ctx.detail / ctx.fallback")
+            module_name = first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else None
+            by_modules = isinstance(func, ast.Attribute) and func.attr == "get" and \
+                ast.unparse(func.value) == "sys.modules"
+            if module_name and (fname in ("import_module", "__import__") or by_modules):
+                imported(node, module_name)
+        if isinstance(node, ast.Subscript) and ast.unparse(node.value) == "sys.modules" and \
+                isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+            imported(node, node.slice.value)
+    return sorted(found)

@@ -23,6 +23,21 @@ def test_installed_plugin_conforms(name: str) -> None:
     assert_conforms(name)
 
 
+def test_every_first_party_plugin_installed_here_is_checked() -> None:
+    """Each plugins/<distribution> installed here (all five in `nox -s tests`, the one of a `plugin-<name>`
+    session there) has its entry points among those checked above (seam rules included)."""
+    checked = []
+    for directory in sorted(p for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").exists()):
+        try:
+            dist = importlib.metadata.distribution(directory.name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        names = {ep.name for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP}
+        assert names and names <= set(INSTALLED), (directory.name, names, INSTALLED)
+        checked.append(directory.name)
+    assert checked, "no first-party plugin installed"
+
+
 def test_example_plugin_conforms(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(ROOT / "examples" / "loongkit-plugin-example"))
     from loongkit_example.plugin import plugin

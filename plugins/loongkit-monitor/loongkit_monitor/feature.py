@@ -485,14 +485,9 @@ def _process() -> Any:
 
 
 def _log_kind() -> str | None:
-    try:
-        from loongkit_core import runtime
+    from loongkit_core import log
 
-        current = runtime.current()
-        destination = getattr(current, "destination", None)
-        return getattr(destination, "kind", None)
-    except Exception:
-        return None
+    return log.destination_kind()
 
 
 def _role(process: Any) -> str:

@@ -6,8 +6,8 @@ pages) and ``schedstat`` (time spent runnable, waiting for a CPU) cost a few mic
 grow while RSS stays flat) costs milliseconds and is read by the workers' sampler thread only, off
 the training thread.
 
-The CPUs a job may use: the affinity mask, capped by the cgroup CPU quota when the numa plugin's
-reader is installed (``loongkit_numa.cgroupfs``, the project's one reader of cgroup quotas).
+The CPUs a job may use: the affinity mask, capped by the cgroup CPU quota (read by the core's cgroup
+reader, ``loongkit_core.cgroupfs``, as loongkit-numa's guards read it).
 """
 
 from __future__ import annotations
@@ -116,10 +116,8 @@ class CpuAllowance:
 
 def cgroup_quota(root: str = "/") -> tuple[float | None, str]:
     """The tightest cgroup CPU quota (CPUs) along this process's groups, and a note when unread."""
-    try:
-        from loongkit_numa import cgroupfs
-    except ImportError:
-        return None, "cgroup CPU quota not read (loongkit-numa, its reader, is not installed)"
+    from loongkit_core import cgroupfs
+
     try:
         quota, _notes = cgroupfs.cpu_quota(root)
     except Exception as exc:  # a reader bug must not cost the report

@@ -59,16 +59,6 @@ def _numa(monitor: Monitor, affinity: frozenset[int]) -> dict[str, Any]:
     return out
 
 
-def _records() -> list[Any]:
-    try:
-        from loongkit_core import runtime
-
-        current = runtime.current()
-        return list(current.records.values()) if current is not None else []
-    except Exception:
-        return []
-
-
 def build(monitor: Monitor, records: list[Any] | None = None) -> dict[str, Any]:
     from loongkit_core import activity
     from loongkit_monitor.feature import feature_views
@@ -157,7 +147,7 @@ def build(monitor: Monitor, records: list[Any] | None = None) -> dict[str, Any]:
         workers_cpu_wait=workers.cpu_wait_share if workers else None, main_cpu_wait=main_wait,
         worker_growth=growth, worker_growth_kind=growth_kind, main_cpu=main_cpu, allowed=allowance.cpus,
         allowed_note=allowance.describe(), torch_threads=threads, gpu_idle=gpu_idle,
-        features=feature_views(records if records is not None else _records()),
+        features=feature_views(records if records is not None else monitor.ctx.features()),
         options={k: v for k, v in os.environ.items() if k.startswith("LOONGKIT_")},
         flagged=flagged, numa={r: d.get("numa") or {} for r, d in ranks.items()})
     details = dict(own)

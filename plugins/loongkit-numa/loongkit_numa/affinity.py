@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
-import logging
 import os
 import platform
 import sys
@@ -28,6 +27,7 @@ from loongkit_core.context import ActivationContext, Environment, NotApplicable
 from loongkit_core.feature import PolicyDecision
 from loongkit_core.hardware import Gpu, Hardware, format_cpulist, parse_cpulist
 from loongkit_core.kit import FeatureImpl
+from loongkit_core.log import get_logger
 from loongkit_core.process import HELPER, LAUNCHER, WORKER
 from loongkit_numa.options import NumaAffinityOptions
 from loongkit_numa.plan import NodePlan, RankPlan, build_plan, unbound_plan
@@ -37,7 +37,11 @@ from loongkit_numa.plan import NodePlan, RankPlan, build_plan, unbound_plan
 WORKER_PLAN_ENV = "_LOONGKIT_NUMA_WORKER"
 MIN_TORCH_PCI = (2, 5)  # torch.cuda device properties carry the PCI address from 2.5 on
 
-log = logging.getLogger("loongkit.numa")
+# The core's structlog logger, for calls made without an activation (``loongkit numa plan``, a worker
+# callback registered by none): a feature logs through its ctx.log, which in a DataLoader worker writes to
+# that worker's loongkit log file.
+_log = get_logger("loongkit.numa_affinity")
+_worker_log: Any = None  # the ctx.log of the activation that registered the worker callback
 
 
 # -- memory policy ------------------------------------------------------------------------------------
@@ -167,8 +171,9 @@ def _torch_pci_addresses() -> list[str] | None:
 
 def visible_gpus(hw: Hardware, options: NumaAffinityOptions, environ: Mapping[str, str], *,
                  local_world_size: int, local_rank: int = 0,
-                 use_torch: bool | None = None) -> tuple[list[Gpu | None], str]:
-    """The GPU of each local rank (device index = local rank) and how that was found.
+                 use_torch: bool | None = None, log: Any = None) -> tuple[list[Gpu | None], str]:
+    """The GPU of each local rank (device index = local rank) and how that was found (``log``: the
+    feature's ctx.log).
 
     Raises NotApplicable when this torch cannot say and ALLOW_INDEX is off.
     """
@@ -180,7 +185,8 @@ def visible_gpus(hw: Hardware, options: NumaAffinityOptions, environ: Mapping[st
             addresses = _torch_pci_addresses()
         except Exception as exc:  # a broken CUDA setup must not stop training
             addresses = None
-            log.info(f"numa_affinity: torch could not report GPU PCI addresses ({type(exc).__name__}: {exc})")
+            (log or _log).info(f"numa_affinity: torch could not report GPU PCI addresses "
+                               f"({type(exc).__name__}: {exc})")
         if addresses:
             by_address = {g.pci.rsplit(".", 1)[0].lower(): g for g in hw.accelerators}
             missing = [a for a in addresses if a not in by_address]
@@ -209,11 +215,13 @@ def visible_gpus(hw: Hardware, options: NumaAffinityOptions, environ: Mapping[st
 
 
 def plan_for_node(hw: Hardware, options: NumaAffinityOptions, environ: Mapping[str, str], *,
-                  local_world_size: int, local_rank: int = 0, use_torch: bool | None = None) -> NodePlan:
-    """The plan of every local rank on this node: what ``loongkit numa plan`` prints and what is applied."""
+                  local_world_size: int, local_rank: int = 0, use_torch: bool | None = None,
+                  log: Any = None) -> NodePlan:
+    """The plan of every local rank on this node: what ``loongkit numa plan`` prints and what is applied
+    (``log``: the feature's ctx.log)."""
     try:
         gpus, source = visible_gpus(hw, options, environ, local_world_size=local_world_size,
-                                    local_rank=local_rank, use_torch=use_torch)
+                                    local_rank=local_rank, use_torch=use_torch, log=log)
     except NotApplicable as exc:
         return unbound_plan(hw, options, local_world_size, str(exc))
     return build_plan(hw, options, local_world_size, gpus, gpu_source=source)
@@ -252,6 +260,7 @@ def on_data_worker_start(worker_id: int) -> None:
         applied, message = apply_worker_binding()
     except Exception as exc:  # never break a DataLoader worker
         applied, message = False, f"{type(exc).__name__}: {exc}"
+    log = _worker_log if _worker_log is not None else _log
     (log.info if applied else log.debug)(f"numa_affinity: worker {worker_id}: {message}")
 
 
@@ -259,7 +268,8 @@ _worker_hook_registered = False
 
 
 def _register_worker_hook(ctx: ActivationContext) -> None:
-    global _worker_hook_registered
+    global _worker_hook_registered, _worker_log
+    _worker_log = ctx.log
     if _worker_hook_registered:
         return
     try:
@@ -333,7 +343,7 @@ class NumaAffinity(FeatureImpl):
         local_rank = process.local_rank or 0
         local_world_size = process.local_world_size or max(local_rank + 1, 1)
         plan = plan_for_node(ctx.env.hardware, options, ctx.env.environ,
-                             local_world_size=local_world_size, local_rank=local_rank)
+                             local_world_size=local_world_size, local_rank=local_rank, log=ctx.log)
         entry = plan.rank(local_rank)
         ctx.detail("plan", entry.to_json())
         ctx.detail("gpu_source", plan.gpu_source)

@@ -37,12 +37,12 @@ from typing import Any
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from loongkit_core import cgroupfs
 from loongkit_core.context import ActivationContext, Environment, NotApplicable
 from loongkit_core.hardware import Hardware
 from loongkit_core.kit import FeatureImpl
 from loongkit_core.process import HELPER, LAUNCHER, WORKER
 from loongkit_core.settings import LkBool, LoongkitSettings
-from loongkit_numa import cgroupfs
 
 # Handed from a training process to its DataLoader workers (fork and spawn): budget, ranks, workers.
 WORKER_ENV = "_LOONGKIT_GUARDS_WORKER"

@@ -30,16 +30,20 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, Field
 from pydantic_settings import SettingsConfigDict
 
+from loongkit_core import cgroupfs
 from loongkit_core.context import ActivationContext, Environment, NotApplicable
 from loongkit_core.kit import FeatureImpl
 from loongkit_core.process import HELPER, LAUNCHER, MAIN
 from loongkit_core.settings import LkBool, LoongkitSettings
-from loongkit_numa import cgroupfs
 
 DEFAULT_SIZE = "50%"
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"^(\d+)([KMGT]?)$", re.IGNORECASE)
 _PERCENT = re.compile(r"^(\d+(?:\.\d+)?)%$")
+
+# Alibaba Cloud Linux's page cache limit: a global switch and per-memory-cgroup files.
+PAGECACHE_GLOBAL_SWITCH = "sys/kernel/mm/pagecache_limit/enabled"
+PAGECACHE_FILES = ("memory.pagecache_limit.enable", "memory.pagecache_limit.size", "memory.pagecache_limit.sync")
 
 ASYNC_INTERVAL = 1.0  # seconds between polls of memory.stat
 SYNC_INTERVAL = 0.1
@@ -106,6 +110,11 @@ class Mechanism:
     switch: str | None = None  # the global switch path (pagecache_limit only), when present
 
 
+def pagecache_switch(root: str) -> str:
+    """The path of Alibaba Cloud Linux's global page cache limit switch under ``root``."""
+    return os.path.join(root, PAGECACHE_GLOBAL_SWITCH)
+
+
 def find_mechanism(root: str) -> tuple[Mechanism | None, str]:
     """The limiter this kernel and cgroup tree allow under ``root``, or None and the reason why not."""
     group = cgroupfs.own_group(root, "memory")
@@ -113,12 +122,12 @@ def find_mechanism(root: str) -> tuple[Mechanism | None, str]:
         ver = cgroupfs.version(root)
         where = f"{root.rstrip('/')}/{cgroupfs.CGROUP_MOUNT}"
         return None, f"no memory cgroup under {where}" + ("" if ver is None else f" (cgroup v{ver})")
-    alinux = [group.file(name) for name in cgroupfs.PAGECACHE_FILES]
+    alinux = [group.file(name) for name in PAGECACHE_FILES]
     if any(cgroupfs.read_text(path) is not None for path in alinux):
         missing = [p for p in alinux if not cgroupfs.writable(p)]
         if missing:
             return None, f"cannot write {', '.join(missing)} (read-only cgroupfs or no permission)"
-        switch = cgroupfs.pagecache_switch(root)
+        switch = pagecache_switch(root)
         state = cgroupfs.read_text(switch)
         if state is not None and state.strip() != "1" and not cgroupfs.writable(switch):
             return None, f"the global switch {switch} is {state.strip()!r} and cannot be written"

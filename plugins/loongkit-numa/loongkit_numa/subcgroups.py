@@ -28,7 +28,6 @@ from __future__ import annotations
 import errno
 import functools
 import json
-import logging
 import os
 import re
 import time
@@ -43,6 +42,7 @@ from loongkit_core.context import ActivationContext, Environment, NotApplicable
 from loongkit_core.feature import PolicyDecision
 from loongkit_core.hardware import Hardware, format_cpulist, parse_cpulist
 from loongkit_core.kit import FeatureImpl
+from loongkit_core.log import get_logger
 from loongkit_core.process import HELPER, LAUNCHER, WORKER
 from loongkit_core.settings import LoongkitSettings, load_settings
 from loongkit_numa.affinity import plan_for_node
@@ -59,7 +59,10 @@ RMDIR_TRIES = 20
 RMDIR_WAIT_S = 0.05  # 1 s in all: long enough for exiting DataLoader workers to leave
 ENABLE_TRIES = 3  # v2: processes forked into the parent meanwhile make +cpuset fail with EBUSY
 
-log = logging.getLogger("loongkit.numa")
+# The core's structlog logger, for calls made without an activation (a worker callback registered by none):
+# a feature logs through its ctx.log, which in a DataLoader worker writes to that worker's loongkit log file.
+_log = get_logger("loongkit.subcgroups")
+_worker_log: Any = None  # the ctx.log of the activation that registered the worker callback
 
 
 def _directory_or_unset(value: object) -> object:
@@ -446,12 +449,14 @@ def on_data_worker_start(worker_id: int) -> None:
         joined, message = join_data_group(_worker_ops)
     except Exception as exc:  # never break a DataLoader worker
         joined, message = False, f"{type(exc).__name__}: {exc}"
+    log = _worker_log if _worker_log is not None else _log
     (log.info if joined else log.warning)(f"subcgroups: worker {worker_id}: {message}")
 
 
 def _register_worker_hook(ctx: ActivationContext, ops: CgroupOps) -> None:
-    global _worker_hook_registered, _worker_ops
+    global _worker_hook_registered, _worker_ops, _worker_log
     _worker_ops = ops
+    _worker_log = ctx.log
     if _worker_hook_registered:
         return
     try:
@@ -546,7 +551,7 @@ class Subcgroups(FeatureImpl):
             raise NotApplicable(found)
         h = found
         plan = plan_for_node(ctx.env.hardware, config.numa, ctx.env.environ,
-                             local_world_size=local_world_size, local_rank=local_rank)
+                             local_world_size=local_world_size, local_rank=local_rank, log=ctx.log)
         entry = plan.rank(local_rank)
         ctx.detail("plan", entry.to_json())
         if not entry.bound:
@@ -582,6 +587,7 @@ class Subcgroups(FeatureImpl):
         ctx.count()
 
     def _cleanup_at_exit(self) -> None:
+        log = self._ctx.log if self._ctx is not None else _log
         try:
             self._cleanup_and_log(log)
         except Exception as exc:  # exit must stay quiet whatever cgroupfs does

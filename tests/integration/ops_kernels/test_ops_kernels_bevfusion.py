@@ -419,6 +419,32 @@ def test_fork_with_other_pooling_is_left_alone(tmp_path: Path) -> None:
     assert not hasattr(module.BaseTransform.get_geometry, "__wrapped__")  # and restored
 
 
+def test_fork_registered_before_activation_is_not_applicable(tmp_path: Path, loongkit_runtime: Any) -> None:
+    """Through the runtime: a fork whose bev_pool and get_geometry both differ registers before the feature
+    activates; the registry watch finds it while activating and the row ends NOT APPLICABLE (the runtime
+    does not overwrite it with APPLIED)."""
+    fork = (TRANSFORMS.replace("        final = torch.cat(x.unbind(dim=2), 1)\n",
+                               "        final = torch.cat(x.unbind(dim=2), 1).relu()\n")
+            .replace("cam2lidar = camera2lidar_rots.matmul(torch.inverse(intrins))",
+                     "cam2lidar = camera2lidar_rots.matmul(torch.linalg.inv(intrins))"))
+    assert fork.count("relu") > TRANSFORMS.count("relu") and "linalg" in fork
+    sys.path.insert(0, str(tmp_path))
+    try:
+        module = importlib.import_module(write_project(tmp_path, "lk_bevfusion_fork_early", fork))
+        rt = loongkit_runtime({"LOONGKIT_BEVFUSION": "1"}, activate={"bevfusion": "mmengine.registry.registry"})
+        record = rt.records["bevfusion"]
+        skipped = record.details["skipped"]
+        assert isinstance(skipped, dict) and sorted(skipped) == [
+            f"{module.__name__}.BaseTransform.bev_pool", f"{module.__name__}.BaseTransform.get_geometry"]
+        assert record.state == State.NOT_APPLICABLE and record.reason in skipped.values()
+        assert record.to_json()["state"] == "not applicable"
+        assert not hasattr(module.BaseTransform.bev_pool, "__wrapped__")
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in [n for n in sys.modules if n.startswith("lk_bevfusion_fork_early")]:
+            del sys.modules[name]
+
+
 def test_kernel_unavailable_leaves_the_class_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No kernel build when the registry is imported; a matching class that registers is skipped."""
     monkeypatch.setattr(kernels, "load", lambda: None)

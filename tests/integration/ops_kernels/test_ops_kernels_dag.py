@@ -178,8 +178,23 @@ FORK = BLOCKS.replace("        output = self.proj_drop(self.output_proj(features
                       "        output = self.proj_drop(self.output_proj(features))\n")
 
 
-def test_fork_with_another_forward_is_left_alone(tmp_path: Path) -> None:
+def forget_registered(monkeypatch: pytest.MonkeyPatch, class_name: str = "DeformableFeatureAggregation") -> None:
+    """Earlier tests' classes stay registered in mmengine's MODELS (and its children) under ``class_name``:
+    out of the way for this test (put back at its end), so the registry holds only what it registers."""
+    from mmengine.registry import MODELS
+
+    stack = [MODELS]
+    while stack:
+        found = stack.pop()
+        for key, cls in list(found._module_dict.items()):
+            if getattr(cls, "__name__", None) == class_name:
+                monkeypatch.delitem(found._module_dict, key)
+        stack.extend(found._children.values())
+
+
+def test_fork_with_another_forward_is_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert FORK != BLOCKS
+    forget_registered(monkeypatch)
     impl, ctx = activation()
     impl.activate(ctx, "mmengine.registry.registry")
     sys.path.insert(0, str(tmp_path))
@@ -188,12 +203,33 @@ def test_fork_with_another_forward_is_left_alone(tmp_path: Path) -> None:
         assert not hasattr(module.DeformableFeatureAggregation.forward, "__wrapped__")
         reason = ctx.record.details["skipped"][f"{module.__name__}.DeformableFeatureAggregation"]
         assert "interface differs" in reason and "tanh" in reason
-        if not ctx.record.details.get("patched"):  # earlier tests' classes may still be in MODELS
-            assert ctx.record.state == State.NOT_APPLICABLE and ctx.record.reason == reason
+        assert not ctx.record.details.get("patched")
+        assert ctx.record.state == State.NOT_APPLICABLE and ctx.record.reason == reason
     finally:
         impl.deactivate(ctx)
         sys.path.remove(str(tmp_path))
         for name in [n for n in sys.modules if n.startswith("lk_sparse4d_fork")]:
+            del sys.modules[name]
+
+
+def test_fork_registered_before_activation_is_not_applicable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             loongkit_runtime: Any) -> None:
+    """Through the runtime: the registry watch finds the fork while the feature activates; the row ends
+    NOT APPLICABLE with the reason (the runtime does not overwrite it with APPLIED)."""
+    forget_registered(monkeypatch)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        module = importlib.import_module(write_project(tmp_path, "lk_sparse4d_fork_early", FORK))
+        rt = loongkit_runtime({"LOONGKIT_DAG": "1"}, activate={"dag": "mmengine.registry.registry"})
+        record = rt.records["dag"]
+        reason = record.details["skipped"][f"{module.__name__}.DeformableFeatureAggregation"]
+        assert "interface differs" in reason and "tanh" in reason
+        assert (record.state, record.reason) == (State.NOT_APPLICABLE, reason)
+        assert record.to_json()["state"] == "not applicable"
+        assert not hasattr(module.DeformableFeatureAggregation.forward, "__wrapped__")
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in [n for n in sys.modules if n.startswith("lk_sparse4d_fork_early")]:
             del sys.modules[name]
 
 

@@ -179,10 +179,12 @@ def test_allowance_caps_the_mask_with_the_quota_shared_by_local_ranks(monkeypatc
     assert procstat.allowance(frozenset({0, 1})).describe() == "2 CPUs in the affinity mask"
 
 
-def test_quota_read_through_the_numa_plugins_reader(tmp_path: Path) -> None:
-    pytest.importorskip("loongkit_numa")
-    from loongkit_numa.fake_cgroups import write_cgroup_tree
-
-    write_cgroup_tree(str(tmp_path), version=2, cpu_max="150000 100000")
+def test_quota_read_through_the_core_reader(tmp_path: Path) -> None:
+    """loongkit_core.cgroupfs: no other plugin needed (this test runs with loongkit-monitor alone)."""
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/self/cgroup").write_text("0::/\n")
+    (tmp_path / "sys/fs/cgroup").mkdir(parents=True)
+    (tmp_path / "sys/fs/cgroup/cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    (tmp_path / "sys/fs/cgroup/cpu.max").write_text("150000 100000\n")
     quota, note = procstat.cgroup_quota(str(tmp_path))
     assert quota == pytest.approx(1.5) and note == ""

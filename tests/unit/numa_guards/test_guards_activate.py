@@ -291,9 +291,6 @@ def test_default_deactivate_restores_and_reapplies(guard_ctx: Any, monkeypatch: 
     """With APPLY_FIX every kind of change is made (thread variable, intra-op pool, DataLoader patches,
     the workers' handoff, inductor's compile_threads); the default deactivate (no override) puts each
     back, and activating again does it all again."""
-    from loongkit_core.kit import FeatureImpl
-
-    assert guards.ConfigGuards.deactivate is FeatureImpl.deactivate
     monkeypatch.setenv("OMP_NUM_THREADS", "16")  # what the fix rewrites for child processes
     impl, ctx, _ = guard_ctx(environ={"OMP_NUM_THREADS": "16", "LOONGKIT_CONFIG_GUARDS_APPLY_FIX": "1"},
                              local_rank=0, lws=2, tree=dict(cpus="0-1"))

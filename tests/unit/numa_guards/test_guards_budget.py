@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from loongkit_numa import cgroupfs
 from loongkit_numa.fake_cgroups import write_cgroup_tree
 from loongkit_numa.guards import (
     CpuBudget,
@@ -16,6 +15,7 @@ from loongkit_numa.guards import (
     user_thread_vars,
 )
 
+from loongkit_core import cgroupfs
 from loongkit_core.hardware import detect
 
 

@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from loongkit_numa import cgroupfs, pagecache
+from loongkit_numa import pagecache
 from loongkit_numa.fake_cgroups import write_cgroup_tree
 from loongkit_numa.pagecache import PageCacheOptions, Reclaimer, find_mechanism, parse_size
 
+from loongkit_core import cgroupfs
 from loongkit_core.settings import load_settings
 
 G = 1 << 30
@@ -259,12 +260,8 @@ def _pagecache_threads() -> list[Any]:
 
 
 def test_kernel_limit_default_deactivate_restores_and_reapplies(tmp_path: Path, loongkit_runtime: Any) -> None:
-    from loongkit_numa.pagecache import PageCacheLimit
-
     from loongkit_core.feature import State
-    from loongkit_core.kit import FeatureImpl
 
-    assert PageCacheLimit.deactivate is FeatureImpl.deactivate
     mem = write_cgroup_tree(tmp_path, version=2, memory_max=str(8 * G), pagecache_limit=ALINUX, global_switch="0")
     switch = tmp_path / "sys/kernel/mm/pagecache_limit/enabled"
 

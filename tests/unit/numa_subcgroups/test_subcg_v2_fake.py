@@ -154,11 +154,6 @@ def test_default_deactivate_restores_and_reapplies(tmp_path: Path, monkeypatch: 
     """No deactivate of its own: ctx.patcher.undo() moves the processes home, removes the groups, the
     leaf and +cpuset, and puts back the handoff variable found; activating again makes them again.
     The exit hook that follows finds nothing left to do."""
-    from loongkit_numa.subcgroups import Subcgroups
-
-    from loongkit_core.kit import FeatureImpl
-
-    assert Subcgroups.deactivate is FeatureImpl.deactivate
     monkeypatch.setenv(WORKER_ENV, "an older handoff")
     root, job = tree(tmp_path, procs=(OTHER, ME))
     impl, ctx, _ = make_ctx(root, {"SLURM_JOB_ID": "78"}, local_rank=0, local_world_size=2)

@@ -1,4 +1,6 @@
-"""Small readers (and one writer) for the cgroup files the guards and the page cache limit use.
+"""The core's cgroup reader (and its one writer helper): this process's group under either cgroup
+version, its CPU quota, memory limit and statistics; for plugins (loongkit-numa's guards, page cache
+limit and sub-cgroups, loongkit-monitor's CPU allowance), imported by none of the core's boot modules.
 
 Everything is read under a root (``LOONGKIT_SYSFS_ROOT``, "/" in production) so that tests and dry
 runs work on fake trees. The process's own group comes from ``<root>/proc/self/cgroup``; inside a
@@ -251,11 +253,3 @@ def writable(path: str) -> bool:
     """The file exists and this process may write it (EROFS and EACCES both say no)."""
     return os.path.exists(path) and os.access(path, os.W_OK)
 
-
-PAGECACHE_GLOBAL_SWITCH = "sys/kernel/mm/pagecache_limit/enabled"
-PAGECACHE_FILES = ("memory.pagecache_limit.enable", "memory.pagecache_limit.size", "memory.pagecache_limit.sync")
-
-
-def pagecache_switch(root: str) -> str:
-    """The path of Alibaba Cloud Linux's global page cache limit switch under ``root``."""
-    return _join(root, PAGECACHE_GLOBAL_SWITCH)
