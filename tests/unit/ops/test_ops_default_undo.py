@@ -129,14 +129,22 @@ def test_compile_pi0_apply_undo_apply(runtime: Callable[..., Runtime], monkeypat
     rt = runtime({"LOONGKIT_COMPILE_PI0PYTORCH": "1"})
     built: list[PI0Pytorch] = []
 
+    record = rt.records["compile_pi0pytorch"]
+
     def check() -> None:
         built.append(PI0Pytorch())
-        assert built[-1]._compiled_call_impl is not None
-        assert rt.records["compile_pi0pytorch"].config["compiled"] == {f"{target}.PI0Pytorch": 1}  # a fresh compiler
+        calls = record.calls
+        built[-1].forward(torch.ones(1, 2))  # as lerobot calls it: the compiled forward runs
+        assert record.calls == calls + 1
+        assert record.config["compiled"] == {f"{target}.PI0Pytorch": 1}  # a fresh compiler
 
     cycle(rt, "compile_pi0pytorch", target, check, lambda: (own(PI0Pytorch), vars(plugin.impl(
         plugin.feature("compile_pi0pytorch"))).get("compiler")))
-    assert all(m._compiled_call_impl is None for m in built)
+    calls = record.calls
+    for model in built:  # undone: the class's own forward again, nothing left on the instances
+        model.forward(torch.ones(1, 2))
+        assert "forward" not in vars(model) and model._compiled_call_impl is None
+    assert record.calls == calls
 
 
 def test_openvla_apply_undo_apply(runtime: Callable[..., Runtime]) -> None:
