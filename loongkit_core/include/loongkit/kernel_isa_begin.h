@@ -1,10 +1,11 @@
-// loongkit/kernel_isa_begin.h: opens the instruction-set region of one isa_<isa>.cpp.
+// loongkit/kernel_isa_begin.h: opens the instruction-set region of one isa_<isa>.cpp (a translation
+// unit loongkit_core.kernelbuild generates as below, or a hand-written one).
 //
 //   #define LK_ISA avx512              // or avx2, baseline
 //   #include <loongkit/kernel_isa_begin.h>
 //   #include "my_kernels.cpp"          // namespace mylib::LK_ISA { ... }
 //   #include <loongkit/kernel_isa_end.h>
-//   #include "functions.h"             // LK_TABLE_BEGIN ... LK_TABLE_END (baseline code)
+//   LK_TABLE_BEGIN ... LK_TABLE_END    // the function table (baseline code)
 //
 // Everything defined between begin and end is compiled for that ISA (GCC target pragma): keep it
 // free of namespace-scope objects with dynamic initialisation (they would run at load time on any

@@ -1,13 +1,13 @@
-"""loongkit-data's C++ kernels (``csrc/``): bit-exact mmcv imnormalize and mmdet PhotoMetricDistortion.
+"""loongkit-data's C++ kernels (``cpu/``): bit-exact mmcv imnormalize and mmdet PhotoMetricDistortion.
 
-One library (``csrc/build.json``) loaded by :class:`loongkit_core.kernels.KernelLibrary`: the
+One library (``cpu/build.json``) loaded by :class:`loongkit_core.kernels.KernelLibrary`: the
 binary prebuilt in the wheel, else one built on first use into the kernel cache (``$CXX``/``c++``;
 a file lock makes concurrent first uses, several DataLoader workers at once, build once); forked
 workers inherit the loaded library, spawned ones load the same file. Baseline, AVX2 and AVX-512
 builds of every kernel, the best one for this CPU picked at run time; all of them compute the same
 bits (the SIMD paths reproduce the scalar IEEE operations lane by lane).
 
-Flags (``csrc/build.json``): ``-ffp-contract=off``, never fuse a*b+c unless the source says fma()
+Flags (``cpu/build.json``): ``-ffp-contract=off``, never fuse a*b+c unless the source says fma()
 (bit-exactness with OpenCV); no ``-ffast-math``: IEEE semantics of every operation are part of the
 result.
 
@@ -26,7 +26,7 @@ from loongkit_core.kernels import CACHE_ENV, KernelLibrary, Kernels
 
 __all__ = ["CACHE_ENV", "LIBRARY", "describe", "failure", "load", "log", "main"]
 
-LIBRARY = KernelLibrary(Path(__file__).with_name("csrc"), logger="loongkit.data.kernels")
+LIBRARY = KernelLibrary(Path(__file__).with_name("cpu"), logger="loongkit.data.kernels")
 log = LIBRARY.log
 
 

@@ -1,7 +1,8 @@
-// Entry points of loongkit-ops' CPU kernels (defined in msda.cpp, dice.cpp, daf.cpp, bev_pool.cpp and
-// voxelize.cpp, listed for Python in functions.h). Every source is compiled once per instruction set
-// into loongkit::<isa> by isa_<isa>.cpp (see loongkit/kernel_isa_begin.h); lk::View is a strided
-// array handed over by loongkit_core.kernels (no libtorch types: see loongkit/kernel.h).
+// Entry points of loongkit-ops' CPU kernels (defined in the *.cpp beside this file). Every function
+// declared at the top level of the namespace below is in the library's table (what Python sees), and
+// every *.cpp is compiled once per instruction set into loongkit::<isa>: loongkit_core.kernelbuild
+// generates both. lk::View is a strided array handed over by loongkit_core.kernels (no libtorch types:
+// see loongkit/kernel.h).
 // Callers (kernels/ops.py) pass contiguous tensors of one floating dtype (float or double) and
 // preallocated outputs; argument shapes are checked here once more because a wrong shape would
 // read out of bounds.

@@ -1,7 +1,7 @@
 // AVX2 helpers shared by the kernels: moving 8 interleaved 3-channel pixels in and out of three
 // 8-lane vectors (one per channel).
 //
-// The kernels are compiled once per instruction set (isa_<isa>.cpp, see loongkit/kernel_isa_begin.h)
+// The kernels are compiled once per instruction set (isa_<isa>.cpp, generated; see loongkit/kernel_isa_begin.h)
 // and the library runs the best build the CPU supports: LOONGKIT_AVX2 is defined in the AVX2 and
 // AVX-512 builds (AVX2 and FMA: the HSV path needs fused multiply-adds as instructions, not libm
 // calls), LOONGKIT_AVX512 (F/BW/DQ/VL, the 512-bit forms) in the AVX-512 build. The baseline build

@@ -5,7 +5,7 @@
 // Built with -ffp-contract=off: a fused multiply-add anywhere would change the last bit.
 #pragma once
 
-#include "simd.hpp"
+#include "simd.h"
 
 namespace loongkit::LK_ISA {
 

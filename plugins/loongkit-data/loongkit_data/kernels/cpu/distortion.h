@@ -15,7 +15,7 @@
 // only fused operations are the std::fma calls below.
 #pragma once
 
-#include "simd.hpp"
+#include "simd.h"
 
 namespace loongkit::LK_ISA {
 

@@ -1,13 +1,7 @@
-// Entry points of the loongkit-data CPU kernels (listed for Python in functions.h), compiled once per
-// instruction set into loongkit::<isa> by isa_<isa>.cpp.
-//
-// Interface: lk::View arrays (loongkit/kernel.h) handed over by loongkit_core.kernels. mmcv and mmdet
-// hand numpy HWC images around, so the kernels take any strided numpy view directly (crops and
-// flipped views included, which torch.from_numpy refuses for negative strides), the Python side
-// allocates the output with numpy (same type and flags as upstream's result) and no tensor wrapping
-// happens per call. The GIL is released while pixels are processed (ctypes does).
-#include "distortion.hpp"
-#include "imnormalize.hpp"
+// The loongkit-data CPU kernels' entry points (declared, with their interface, in kernels.h).
+#include "distortion.h"
+#include "imnormalize.h"
+#include "kernels.h"
 
 namespace loongkit::LK_ISA {
 namespace {
