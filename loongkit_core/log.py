@@ -572,23 +572,19 @@ def write_block(text: str) -> None:
     _output.write(text if text.endswith("\n") else text + "\n")
 
 
-def reopen_after_fork(process: ProcessInfo) -> None:
-    """In a forked child: drop the parent's file descriptor and log to this pid's file instead.
+def after_fork(process: ProcessInfo) -> None:
+    """In a forked child (a DataLoader worker): go on appending to the parent's log, the file the job's
+    Summary names, with this process's pid and role on every record.
 
-    Records are written unbuffered, so there is no inherited buffer to flush twice; closing the fd
-    only closes the child's copy.
+    The file is opened with O_APPEND and every record is one ``os.write`` of whole lines, so the
+    parent's and its workers' records never overwrite each other; records are written unbuffered, so
+    no inherited buffer is written twice. A parent that had logged nothing yet has no descriptor: the
+    child opens the same file at its first record. (Spawned workers are new interpreters and log to
+    their own file, named by their pid, in the same directory.)
     """
     _after_fork_in_child()
-    if _output.kind is None:
-        return
-    _state.process = process
-    if _output.kind != "file" or _output.path is None:
-        return
-    directory = os.path.dirname(_output.path)
-    destination = Destination("file", os.path.join(directory, log_file_name(process)), [])
-    destination = _activate(destination, process)
-    for warning in destination.warnings:
-        get_logger("loongkit.log").warning(warning)
+    if _output.kind is not None:
+        _state.process = process
 
 
 def log_path() -> str | None:

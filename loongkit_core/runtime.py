@@ -698,7 +698,7 @@ class Runtime:
         self._reporter = None  # a worker forked from a worker reports on its own
         process_mod.mark_forked_child(self.process)
         try:
-            log.reopen_after_fork(self.process)
+            log.after_fork(self.process)
         except Exception:
             pass
 

@@ -1,6 +1,6 @@
 """loongkit-numa logs through the core's logger (ctx.log): what its callbacks say in a DataLoader worker
-lands in the job's loongkit logs (the worker's own file, beside the log the Summary points to, one file
-per process), not on the job's stderr.
+lands in the job's loongkit log, the file the Summary's ``Log:`` names (forked workers append to their
+parent's file, each record with the worker's pid and role), not on the job's stderr.
 
 A sub-cgroups data worker that cannot join its group warns (the real cgroup v1 cpuset of this machine,
 where one can be used); a NUMA-bound data worker says where it was bound (a recorded 2-node topology over
@@ -42,13 +42,14 @@ if __name__ == "__main__":
 
 
 def workers_and_logs(r: Any) -> tuple[list[int], Path, dict[int, str]]:
-    """The workers' pids, the log the Summary points to, and each worker's log text (by pid)."""
+    """The workers' pids, the log the Summary points to, and each worker's records in it (by pid)."""
     assert r.returncode == 0, r.stderr
     pids = next(json.loads(line.split(" ", 1)[1]) for line in r.stdout.splitlines() if line.startswith("WORKERS "))
     main_log = Path(r.summary["log"])
     assert main_log.is_file() and main_log.parent == r.logdir, r.summary["log"]
-    logs = {pid: next(iter(main_log.parent.glob(f"loongkit-*-{pid}.log"))).read_text() for pid in pids
-            if any(main_log.parent.glob(f"loongkit-*-{pid}.log"))}
+    lines = main_log.read_text().splitlines()
+    logs = {pid: "\n".join(line for line in lines if f"pid={pid} " in line) for pid in pids}
+    assert not [p for pid in pids for p in main_log.parent.glob(f"loongkit-*-{pid}.log")]  # no file of their own
     return pids, main_log, logs
 
 
@@ -84,7 +85,7 @@ def test_subcgroups_warning_in_a_worker_is_in_the_jobs_log(tmp_path: Path, run_l
         "LOONGKIT_SUBCGROUPS": "1", "LOONGKIT_SYSFS_ROOT": str(sysroot), "LOONGKIT_SUBCGROUPS_CGROUP_ROOT": "/",
         "LOONGKIT_NUMA_AFFINITY_ALLOW_ASYMMETRIC": "1", "LOONGKIT_NUMA_AFFINITY_DATA_WORKER_ON_GPULESS": "1",
         "LOONGKIT_NUMA_AFFINITY_DATA_WORKER_GPULESS_ONLY": "1"})
-    pids, _, logs = workers_and_logs(r)  # the workers' logs: beside the one the Summary points to
+    pids, _, logs = workers_and_logs(r)  # the workers' records in the log the Summary points to
     assert r.feature("subcgroups")["state"] in ("applied", "active"), r.feature("subcgroups")
     warning = "subcgroups: worker 0: cannot join"
     assert [pid for pid, text in logs.items() if warning in text] == pids, (logs, r.stderr)

@@ -515,11 +515,13 @@ def test_users_structlog_configuration_is_untouched(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-def test_reopen_after_fork_uses_own_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("parent_logged_first", [True, False])
+def test_forked_child_appends_to_parents_file(tmp_path: Path, parent_logged_first: bool) -> None:
     parent = proc(rank=1)
     log.configure("info", str(tmp_path), parent, candidates=[])
     parent_path = log.log_path()
-    log.get_logger().info("parent before fork")
+    if parent_logged_first:
+        log.get_logger().info("parent before fork")
 
     pid = os.fork()
     if pid == 0:  # the child: report through the exit status only, never return into pytest
@@ -527,9 +529,9 @@ def test_reopen_after_fork_uses_own_file(tmp_path: Path) -> None:
         try:
             child = proc(rank=1, pid=os.getpid())
             child.role = "worker"
-            log.reopen_after_fork(child)
+            log.after_fork(child)
             log.get_logger().info("child says hi")
-            code = 0 if log.log_path() == str(tmp_path / name_for(child)) else 2
+            code = 0 if log.log_path() == parent_path else 2
         finally:
             os._exit(code)
 
@@ -537,12 +539,12 @@ def test_reopen_after_fork_uses_own_file(tmp_path: Path) -> None:
     assert os.waitstatus_to_exitcode(status) == 0
     log.get_logger().info("parent after fork")
 
-    child_text = read(str(tmp_path / name_for(proc(rank=1, pid=pid))))
-    assert "child says hi" in child_text and f"pid={pid}" in child_text and "role=worker" in child_text
-    assert "parent before fork" not in child_text  # no inherited buffer written twice
-    parent_text = read(parent_path)
-    assert "child says hi" not in parent_text
-    assert parent_text.count("parent before fork") == 1 and "parent after fork" in parent_text
+    assert not (tmp_path / name_for(proc(rank=1, pid=pid))).exists()  # no file of its own
+    lines = read(parent_path).splitlines()
+    child_lines = [line for line in lines if "child says hi" in line]
+    assert len(child_lines) == 1 and f"pid={pid}" in child_lines[0] and "role=worker" in child_lines[0]
+    assert sum("parent before fork" in line for line in lines) == int(parent_logged_first)  # never twice
+    assert any("parent after fork" in line and f"pid={os.getpid()}" in line for line in lines)
 
 
 def test_nul_byte_in_logdir_falls_back(tmp_path: Path) -> None:
