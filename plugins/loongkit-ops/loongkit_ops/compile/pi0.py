@@ -26,7 +26,6 @@ from loongkit_ops.compile._patch import CompiledMethod, after_init
 from loongkit_ops.compile.common import Compiler
 
 CLASS = "PI0Pytorch"
-TARGETS = ("lerobot.policies.pi0.modeling_pi0", "openpi.models_pytorch.pi0_pytorch")
 
 
 class CompilePi0(FeatureImpl):
