@@ -2,16 +2,12 @@
 
 A plugin module needs three things::
 
-    from loongkit_core.feature import Category, Feature
+    from loongkit_core.feature import Category
     from loongkit_core.kit import PluginSpec
 
-    plugin = PluginSpec("precision", distribution="loongkit-precision")
-    plugin.add(
-        Feature(name="allow_tf32", env="LOONGKIT_ALLOW_TF32", level=1, category=Category.PRECISION,
-                description="TF32 for FP32 matmul and convolution on CUDA", requires=("torch>=2.0",),
-                targets=("torch",)),
-        impl="loongkit_precision.tf32:AllowTF32",
-    )
+    plugin = PluginSpec("precision", distribution="loongkit-precision", category=Category.PRECISION)
+    plugin.feature("allow_tf32", level=1, description="TF32 for FP32 matmul and convolution on CUDA",
+                   requires=("torch>=2.0",), targets=("torch",), impl="loongkit_precision.tf32:AllowTF32")
 
 and an entry point ``precision = "loongkit_precision.plugin:plugin"`` in the group ``loongkit``.
 ``impl`` is imported only when the feature is enabled, so declaring stays cheap.
@@ -27,7 +23,7 @@ from loongkit_core.hookspecs import CORE_API_VERSION, hookimpl
 
 if TYPE_CHECKING:
     from loongkit_core.context import ActivationContext, Environment
-    from loongkit_core.feature import Feature, FeatureRecord, PolicyDecision
+    from loongkit_core.feature import Category, Feature, FeatureRecord, PolicyDecision
     from loongkit_core.hardware import Hardware
     from loongkit_core.settings import LoongkitSettings
 
@@ -98,9 +94,10 @@ class PluginSpec:
 
     LOONGKIT_CORE_API = (1, 1)  # the hookspec versions this kit implements (min, max)
 
-    def __init__(self, name: str, distribution: str = "") -> None:
+    def __init__(self, name: str, distribution: str = "", category: Category | None = None) -> None:
         self.name = name
         self.distribution = distribution
+        self.category = category  # the default of this plugin's declarations
         self._features: dict[str, Feature] = {}
         self._impl_paths: dict[str, str] = {}
         self._impls: dict[str, FeatureImpl] = {}
@@ -151,10 +148,33 @@ class PluginSpec:
             found = self._impls[feature.name] = cls(feature)
         return found
 
-    def feature(self, name: str) -> Feature:
-        """The declared feature called ``name`` (KeyError if this plugin declares none such); e.g. for
-        ``ActivationContext.standalone(plugin.feature("x"))`` in tests."""
-        return self._features[name]
+    def feature(self, name: str, /, *, impl: str | None = None, **declaration: Any) -> Feature:
+        """Declare feature ``name`` with keywords, or get the declared one with the name alone.
+
+        ``plugin.feature("fused_adamw", level=1, description="...", requires=("torch>=2.4.0",),
+        targets=("torch.optim",), impl="my_plugin.optim:FusedAdamW")``: the keywords are
+        :class:`Feature`'s, with ``env`` defaulting to ``LOONGKIT_<NAME>``, ``category`` to the
+        plugin's, ``implemented`` to whether ``impl`` ("module:Class" of its FeatureImpl) is given.
+        The version shown is the distribution's (its metadata, read where the entry point is
+        found), and an impl reads its targets from the declaration (``self.feature.targets``, or the
+        ``target`` its activation is given), never from a second copy.
+
+        ``plugin.feature("fused_adamw")`` returns the declaration (KeyError if this plugin declares
+        none such), e.g. for ``ActivationContext.standalone(plugin.feature("x"))`` in tests.
+        """
+        if impl is None and not declaration:
+            return self._features[name]
+        from loongkit_core.feature import Feature  # the declaring module imports it anyway
+
+        declaration.setdefault("env", f"LOONGKIT_{name.upper()}")
+        declaration.setdefault("implemented", impl is not None)
+        if "category" not in declaration:
+            if self.category is None:
+                raise ValueError(f"feature {name!r}: no category= and plugin {self.name!r} has no default")
+            declaration["category"] = self.category
+        feature = Feature(name=name, **declaration)
+        self.add(feature, impl=impl)
+        return feature
 
     @property
     def features(self) -> list[Feature]:

@@ -39,9 +39,10 @@ SKELETON = {
         ''',
     "walkplug/__init__.py": "",
     "walkplug/plugin.py": '''
+        from loongkit_core.feature import Category
         from loongkit_core.kit import PluginSpec
 
-        plugin = PluginSpec("walk", distribution="walkplug")
+        plugin = PluginSpec("walk", distribution="walkplug", category=Category.OPS)
         ''',
     "walkplug/patches/__init__.py": "",
     "walkplug/kernels/__init__.py": '''
@@ -77,9 +78,8 @@ SKELETON = {
 
 # -- a plain patch feature ---------------------------------------------------------------------------
 DECLARE_FLAG = '''
-    plugin.add(Feature(name="walk_flag", env="LOONGKIT_WALK_FLAG", level=1, category=Category.OPS,
-                       description="Counts the upstream calls.", targets=("walk_target",)),
-               impl="walkplug.walk_flag:WalkFlag")
+    plugin.feature("walk_flag", level=1, description="Counts the upstream calls.", targets=("walk_target",),
+                   impl="walkplug.walk_flag:WalkFlag")
     '''
 
 PATCH_FEATURE = {
@@ -119,9 +119,8 @@ PATCH_FEATURE = {
 
 # -- a feature with a new C++ + Triton op --------------------------------------------------------------
 DECLARE_FUSED = '''
-    plugin.add(Feature(name="walk_fused", env="LOONGKIT_WALK_FUSED", level=1, category=Category.OPS,
-                       description="Fused scaled row sums.", requires=("torch>=2.4.0",), targets=("walk_target",)),
-               impl="walkplug.patches.walk_fused:WalkFused")
+    plugin.feature("walk_fused", level=1, description="Fused scaled row sums.", requires=("torch>=2.4.0",),
+                   targets=("walk_target",), impl="walkplug.patches.walk_fused:WalkFused")
     '''
 
 OP_FEATURE = {
@@ -326,10 +325,7 @@ def write(root: Path, files: dict[str, str], feature: str = "") -> None:
 
 def declare(root: Path, declaration: str) -> None:
     plugin = root / "walkplug" / "plugin.py"
-    text = plugin.read_text()
-    if "from loongkit_core.feature import" not in text:
-        text = "from loongkit_core.feature import Category, Feature\n" + text
-    plugin.write_text(text + textwrap.dedent(declaration))
+    plugin.write_text(plugin.read_text() + textwrap.dedent(declaration))
 
 
 def test_the_page_lists_what_a_new_feature_and_a_new_op_take(tmp_path: Path) -> None:

@@ -4,104 +4,69 @@ from __future__ import annotations
 
 from typing import Any
 
-from loongkit_core.feature import Category, Feature
+from loongkit_core.feature import Category
 from loongkit_core.kit import PluginSpec
-from loongkit_data import __version__
 
-plugin = PluginSpec("data", distribution="loongkit-data")
+plugin = PluginSpec("data", distribution="loongkit-data", category=Category.DATA)
 
 _MMCV1 = "mmcv>=1.7.0,<=1.8.0"
-_IMPLS = {
-    "data_container": "loongkit_data.datacontainer:DataContainerPin",
-    "data_prefetch": "loongkit_data.prefetch_mmcv:DataPrefetch",
-    "mmengine_data_prefetch": "loongkit_data.prefetch_mmengine:MmengineDataPrefetch",
-}
 
-for _feature in (
-    Feature(
-        name="data_container",
-        env="LOONGKIT_DATA_CONTAINER",
-        level=1,
-        category=Category.DATA,
-        description="pin_memory support for mmcv DataContainer; turns on DataLoader pin_memory.",
-        requires=(_MMCV1,),
-        targets=("mmcv.parallel",),
-        plugin_version=__version__,
-    ),
-    Feature(
-        name="data_prefetch",
-        env="LOONGKIT_DATA_PREFETCH",
-        level=1,
-        category=Category.DATA,
-        description="Prefetch the next batch to the GPU on a side stream (mmcv 1.x runners).",
-        requires=(_MMCV1,),
-        depends_on=("data_container",),
-        targets=("mmcv.runner",),
-        plugin_version=__version__,
-    ),
-    Feature(
-        name="mmengine_data_prefetch",
-        env="LOONGKIT_MMENGINE_DATA_PREFETCH",
-        level=1,
-        category=Category.DATA,
-        description="Prefetch the next batch to the GPU in mmengine's loops (mmcv 2.x).",
-        requires=("mmcv>=2.0.0", "mmengine>=0.8.0"),
-        targets=("mmengine.runner",),
-        plugin_version=__version__,
-    ),
-):
-    plugin.add(_feature, impl=_IMPLS.get(_feature.name))
+plugin.feature(
+    "data_container",
+    level=1,
+    description="pin_memory support for mmcv DataContainer; turns on DataLoader pin_memory.",
+    requires=(_MMCV1,),
+    targets=("mmcv.parallel",),
+    impl="loongkit_data.datacontainer:DataContainerPin",
+)
+plugin.feature(
+    "data_prefetch",
+    level=1,
+    description="Prefetch the next batch to the GPU on a side stream (mmcv 1.x runners).",
+    requires=(_MMCV1,),
+    targets=("mmcv.runner",),
+    depends_on=("data_container",),
+    impl="loongkit_data.prefetch_mmcv:DataPrefetch",
+)
+plugin.feature(
+    "mmengine_data_prefetch",
+    level=1,
+    description="Prefetch the next batch to the GPU in mmengine's loops (mmcv 2.x).",
+    requires=("mmcv>=2.0.0", "mmengine>=0.8.0"),
+    targets=("mmengine.runner",),
+    impl="loongkit_data.prefetch_mmengine:MmengineDataPrefetch",
+)
 
 # LOONGKIT_IMNORMALIZE and LOONGKIT_DISTORTION (issue 6): bit-exact compiled CPU kernels.
-plugin.add(
-    Feature(
-        name="imnormalize",
-        env="LOONGKIT_IMNORMALIZE",
-        level=3,
-        category=Category.DATA,
-        description="Bit-exact compiled CPU kernel for mmcv imnormalize.",
-        targets=("mmcv.image.photometric",),
-        plugin_version=__version__,
-    ),
+plugin.feature(
+    "imnormalize",
+    level=3,
+    description="Bit-exact compiled CPU kernel for mmcv imnormalize.",
+    targets=("mmcv.image.photometric",),
     impl="loongkit_data.imnormalize:ImNormalize",
 )
-plugin.add(
-    Feature(
-        name="distortion",
-        env="LOONGKIT_DISTORTION",
-        level=3,
-        category=Category.DATA,
-        description="Bit-exact compiled CPU kernel for mmdet PhotoMetricDistortion.",
-        targets=("mmdet.datasets.pipelines.transforms", "mmdet.datasets.transforms.transforms"),
-        plugin_version=__version__,
-    ),
+plugin.feature(
+    "distortion",
+    level=3,
+    description="Bit-exact compiled CPU kernel for mmdet PhotoMetricDistortion.",
+    targets=("mmdet.datasets.pipelines.transforms", "mmdet.datasets.transforms.transforms"),
     impl="loongkit_data.distortion:Distortion",
 )
 
 
 # LOONGKIT_PYTORCH and LOONGKIT_MALLOC (issues 5 and 12): DataLoader memory and allocator tuning.
-plugin.add(
-    Feature(
-        name="pytorch",
-        env="LOONGKIT_PYTORCH",
-        level=1,
-        category=Category.DATA,
-        description="DataLoader memory: serialized dataset lists, worker allocator tuning, open-files limit.",
-        targets=("torch.utils.data",),
-        plugin_version=__version__,
-    ),
+plugin.feature(
+    "pytorch",
+    level=1,
+    description="DataLoader memory: serialized dataset lists, worker allocator tuning, open-files limit.",
+    targets=("torch.utils.data",),
     impl="loongkit_data.pytorch_memory:PytorchMemory",
 )
-plugin.add(
-    Feature(
-        name="malloc",
-        env="LOONGKIT_MALLOC",
-        level=2,
-        category=Category.DATA,
-        description="Allocator tuning (or jemalloc/tcmalloc preload) in the training process.",
-        options=("LOONGKIT_MALLOC_ALLOCATOR",),
-        plugin_version=__version__,
-    ),
+plugin.feature(
+    "malloc",
+    level=2,
+    description="Allocator tuning (or jemalloc/tcmalloc preload) in the training process.",
+    options=("LOONGKIT_MALLOC_ALLOCATOR",),
     impl="loongkit_data.malloc:Malloc",
 )
 

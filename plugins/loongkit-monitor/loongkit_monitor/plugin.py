@@ -5,26 +5,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from loongkit_core.feature import Category, Feature
+from loongkit_core.feature import Category
 from loongkit_core.kit import PluginSpec
 from loongkit_monitor import __version__
 
-plugin = PluginSpec("monitor", distribution="loongkit-monitor")
+plugin = PluginSpec("monitor", distribution="loongkit-monitor", category=Category.RESOURCE)
 
-plugin.add(
-    Feature(
-        name="monitor",
-        env="LOONGKIT_MONITOR",
-        level=1,
-        category=Category.RESOURCE,
-        description="Observe the training job: step time, data wait, GPU idle, workers' CPU and memory, "
-                    "stragglers; evidence-backed recommendations.",
-        requires=("torch>=2.0.0",),
-        targets=("torch.optim.optimizer", "torch.utils.data.dataloader", "torch.autograd", "torch.distributed",
-                 "torch.nn.parallel.distributed", "mmengine.runner", "mmcv.runner", "transformers.trainer"),
-        options=("LOONGKIT_MONITOR_INTERVAL", "LOONGKIT_MONITOR_MAX_STEPS"),
-        plugin_version=__version__,
-    ),
+plugin.feature(
+    "monitor",
+    level=1,
+    description="Observe the training job: step time, data wait, GPU idle, workers' CPU and memory, "
+                "stragglers; evidence-backed recommendations.",
+    requires=("torch>=2.0.0",),
+    targets=("torch.optim.optimizer", "torch.utils.data.dataloader", "torch.autograd", "torch.distributed",
+             "torch.nn.parallel.distributed", "mmengine.runner", "mmcv.runner", "transformers.trainer"),
+    options=("LOONGKIT_MONITOR_INTERVAL", "LOONGKIT_MONITOR_MAX_STEPS"),
     impl="loongkit_monitor.feature:MonitorFeature",
 )
 

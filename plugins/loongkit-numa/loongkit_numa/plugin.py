@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from loongkit_core.feature import Category, Feature
+from loongkit_core.feature import Category
 from loongkit_core.kit import PluginSpec
-from loongkit_numa import __version__
 from loongkit_numa.policy import vendor_policy
 
-plugin = PluginSpec("numa", distribution="loongkit-numa")
+plugin = PluginSpec("numa", distribution="loongkit-numa", category=Category.RESOURCE)
 plugin.policy(vendor_policy)  # AMD/Hygon: PARTITION_PER_LLC on by default; Intel: node binding only
 
 
@@ -34,54 +33,35 @@ _NUMA_OPTIONS = tuple(
     )
 )
 
-plugin.add(
-    Feature(
-        name="numa_affinity",
-        env="LOONGKIT_NUMA_AFFINITY",
-        level=1,
-        category=Category.RESOURCE,
-        description="Bind each training process (and its data workers) to its GPU's NUMA node.",
-        options=_NUMA_OPTIONS,
-        plugin_version=__version__,
-    ),
+plugin.feature(
+    "numa_affinity",
+    level=1,
+    description="Bind each training process (and its data workers) to its GPU's NUMA node.",
+    options=_NUMA_OPTIONS,
     impl="loongkit_numa.affinity:NumaAffinity",
 )
-plugin.add(
-    Feature(
-        name="subcgroups",
-        env="LOONGKIT_SUBCGROUPS",
-        level=2,
-        category=Category.RESOURCE,
-        description="Put training and data processes into per-rank child cgroups following the NUMA plan.",
-        disables=("numa_affinity",),
-        options=(*_NUMA_OPTIONS, "LOONGKIT_SUBCGROUPS_CGROUP_ROOT"),
-        plugin_version=__version__,
-    ),
+plugin.feature(
+    "subcgroups",
+    level=2,
+    description="Put training and data processes into per-rank child cgroups following the NUMA plan.",
+    options=(*_NUMA_OPTIONS, "LOONGKIT_SUBCGROUPS_CGROUP_ROOT"),
+    disables=("numa_affinity",),
     impl="loongkit_numa.subcgroups:Subcgroups",
 )
-plugin.add(
-    Feature(
-        name="config_guards",
-        env="LOONGKIT_CONFIG_GUARDS",
-        level=1,
-        category=Category.RESOURCE,
-        description="Warn when threads, data workers or compile threads exceed the node's CPU budget.",
-        requires=("torch>=2.1.0",),
-        targets=("torch", "torch._inductor.config"),
-        options=("LOONGKIT_CONFIG_GUARDS_APPLY_FIX",),
-        plugin_version=__version__,
-    ),
+plugin.feature(
+    "config_guards",
+    level=1,
+    description="Warn when threads, data workers or compile threads exceed the node's CPU budget.",
+    requires=("torch>=2.1.0",),
+    targets=("torch", "torch._inductor.config"),
+    options=("LOONGKIT_CONFIG_GUARDS_APPLY_FIX",),
     impl="loongkit_numa.guards:ConfigGuards",
 )
-plugin.add(
-    Feature(
-        name="page_cache_limit",
-        env="LOONGKIT_PAGE_CACHE_LIMIT",
-        level=2,
-        category=Category.DATA,
-        description="Limit page cache on the container's root memcg to curb fragmentation jitter.",
-        options=("LOONGKIT_PAGE_CACHE_LIMIT_SIZE", "LOONGKIT_PAGE_CACHE_LIMIT_SYNC"),
-        plugin_version=__version__,
-    ),
+plugin.feature(
+    "page_cache_limit",
+    level=2,
+    description="Limit page cache on the container's root memcg to curb fragmentation jitter.",
+    options=("LOONGKIT_PAGE_CACHE_LIMIT_SIZE", "LOONGKIT_PAGE_CACHE_LIMIT_SYNC"),
+    category=Category.DATA,
     impl="loongkit_numa.pagecache:PageCacheLimit",
 )

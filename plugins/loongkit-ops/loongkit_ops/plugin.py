@@ -7,70 +7,139 @@ from typing import Any
 
 from loongkit_core.feature import Category, Feature, PolicyDecision
 from loongkit_core.kit import PluginSpec
-from loongkit_ops import __version__
 
-plugin = PluginSpec("ops", distribution="loongkit-ops")
-
-
-def _declare(name: str, level: int, description: str, requires: tuple[str, ...] = (),
-             targets: tuple[str, ...] = (), options: tuple[str, ...] = (), env: str | None = None,
-             impl: str | None = None) -> None:
-    plugin.add(
-        Feature(
-            name=name,
-            env=env or f"LOONGKIT_{name.upper()}",
-            level=level,
-            category=Category.OPS,
-            description=description,
-            requires=requires,
-            targets=targets,
-            options=options,
-            implemented=impl is not None,
-            plugin_version=__version__,
-        ),
-        impl=impl,
-    )
+plugin = PluginSpec("ops", distribution="loongkit-ops", category=Category.OPS)
 
 
-_declare("compile_resnet", 1, "torch.compile the stages of mmdet's ResNet backbone.",
-         ("torch>=2.6.0", "mmdet>=1.0.0,<=3.3.0"), ("mmdet.models.backbones.resnet",),
-         impl="loongkit_ops.compile.resnet:CompileResNet")
-_declare("fused_adamw", 1, "AdamW with the fused implementation.", ("torch>=2.4.0",), ("torch.optim",),
-         impl="loongkit_ops.optim:FusedAdamW")
-_declare("fused_adam", 1, "Adam with the fused implementation.", ("torch>=2.4.0",), ("torch.optim",),
-         impl="loongkit_ops.optim:FusedAdam")
-_declare("openvla", 1, "torch.compile the Llama-2 decoder layers of an OpenVLA-style model.",
-         ("torch>=2.6.0",), ("transformers.models.llama.modeling_llama",),
-         impl="loongkit_ops.compile.llama:CompileLlama")
-_declare("mmdet_modules", 1, "torch.compile selected modules registered in mmdet.models.builder.MODELS.",
-         ("torch>=2.6.0", "mmdet>=2.12.0,<=2.28.3"), ("mmdet.models.builder",),
-         ("LOONGKIT_COMPILE_MMDET_MODULES_FILTER",), impl="loongkit_ops.compile.mmdet_modules:CompileMMDetModules")
-_declare("dice_loss", 1, "Fused DiceLoss for mmseg 0.x.", ("mmseg>=0.12.0,<=1.0.0",),
-         ("mmseg.models.losses.dice_loss",), impl="loongkit_ops.patches.dice:DiceLossMmseg0")
-_declare("dice_loss_mmseg1", 1, "Fused DiceLoss for mmseg >= 1.1 (its rewritten loss; LOONGKIT_DICE_LOSS covers 0.x).",
-         ("mmseg>=1.1.0",), ("mmseg.models.losses.dice_loss",), impl="loongkit_ops.patches.dice:DiceLossMmseg1")
-_declare("dag", 1, "Fused deformable aggregation for DeformableFeatureAggregation (Sparse4D).", ("torch>=2.4.0",),
-         ("mmengine.registry.registry", "mmcv.utils.registry"), impl="loongkit_ops.patches.dag:SparseDAG")
-_declare("voxelization", 3, "Faster CPU hard_voxelize for mmcv/mmdet3d voxelization (identical output).",
-         ("torch>=2.4.0",), ("mmcv.ops.voxelize",), impl="loongkit_ops.patches.voxelize:Voxelization")
-_declare("bevformer", 1, "Fused SpatialCrossAttention / TemporalSelfAttention of BEVFormer.", ("torch>=2.4.0",),
-         ("mmcv.ops.multi_scale_deform_attn", "mmcv.utils.registry", "mmengine.registry.registry"),
-         impl="loongkit_ops.patches.bevformer:Bevformer")
-_declare("uniad", 1, "Fused and vectorised modules of UniAD.", ("torch>=2.4.0",),
-         ("mmcv.utils.registry", "mmengine.registry.registry"), impl="loongkit_ops.patches.uniad:UniAD")
-_declare("bevfusion", 3, "Fused bev_pool of BEVFusion's camera-to-BEV view transforms.", ("torch>=2.4.0",),
-         ("mmengine.registry.registry", "mmcv.utils.registry"), impl="loongkit_ops.patches.bevfusion:BevFusionPool")
-_declare("hf_acc_compile", 3, "torch.compile training with HuggingFace Accelerate (inductor).",
-         ("torch==2.10.*",), ("accelerate",), impl="loongkit_ops.compile.hf_accelerate:HFAccCompile")
-_declare("dynamic_shape_fix", 1, "Work around torch 2.9 crashes compiling with dynamic shapes.",
-         ("torch==2.9.*",), ("torch._dynamo.config", "torch._inductor.config"),
-         impl="loongkit_ops.fixes:DynamicShapeFix")
-_declare("compile_pi0pytorch", 1, "torch.compile the pi0 PyTorch policy module.", ("torch>=2.6.0",),
-         ("lerobot.policies.pi0.modeling_pi0", "openpi.models_pytorch.pi0_pytorch"),
-         impl="loongkit_ops.compile.pi0:CompilePi0")
-_declare("donated_buffer_fix", 1, "Disable donated_buffer where DDPOptimizer silently overwrites weights.",
-         ("torch>=2.6.0,<2.9",), ("torch._dynamo.backends.distributed",),
-         impl="loongkit_ops.fixes:DonatedBufferFix")
+plugin.feature(
+    "compile_resnet",
+    level=1,
+    description="torch.compile the stages of mmdet's ResNet backbone.",
+    requires=("torch>=2.6.0", "mmdet>=1.0.0,<=3.3.0"),
+    targets=("mmdet.models.backbones.resnet",),
+    impl="loongkit_ops.compile.resnet:CompileResNet",
+)
+plugin.feature(
+    "fused_adamw",
+    level=1,
+    description="AdamW with the fused implementation.",
+    requires=("torch>=2.4.0",),
+    targets=("torch.optim",),
+    impl="loongkit_ops.optim:FusedAdamW",
+)
+plugin.feature(
+    "fused_adam",
+    level=1,
+    description="Adam with the fused implementation.",
+    requires=("torch>=2.4.0",),
+    targets=("torch.optim",),
+    impl="loongkit_ops.optim:FusedAdam",
+)
+plugin.feature(
+    "openvla",
+    level=1,
+    description="torch.compile the Llama-2 decoder layers of an OpenVLA-style model.",
+    requires=("torch>=2.6.0",),
+    targets=("transformers.models.llama.modeling_llama",),
+    impl="loongkit_ops.compile.llama:CompileLlama",
+)
+plugin.feature(
+    "mmdet_modules",
+    level=1,
+    description="torch.compile selected modules registered in mmdet.models.builder.MODELS.",
+    requires=("torch>=2.6.0", "mmdet>=2.12.0,<=2.28.3"),
+    targets=("mmdet.models.builder",),
+    options=("LOONGKIT_COMPILE_MMDET_MODULES_FILTER",),
+    impl="loongkit_ops.compile.mmdet_modules:CompileMMDetModules",
+)
+plugin.feature(
+    "dice_loss",
+    level=1,
+    description="Fused DiceLoss for mmseg 0.x.",
+    requires=("mmseg>=0.12.0,<=1.0.0",),
+    targets=("mmseg.models.losses.dice_loss",),
+    impl="loongkit_ops.patches.dice:DiceLossMmseg0",
+)
+plugin.feature(
+    "dice_loss_mmseg1",
+    level=1,
+    description="Fused DiceLoss for mmseg >= 1.1 (its rewritten loss; LOONGKIT_DICE_LOSS covers 0.x).",
+    requires=("mmseg>=1.1.0",),
+    targets=("mmseg.models.losses.dice_loss",),
+    impl="loongkit_ops.patches.dice:DiceLossMmseg1",
+)
+plugin.feature(
+    "dag",
+    level=1,
+    description="Fused deformable aggregation for DeformableFeatureAggregation (Sparse4D).",
+    requires=("torch>=2.4.0",),
+    targets=("mmengine.registry.registry", "mmcv.utils.registry"),
+    impl="loongkit_ops.patches.dag:SparseDAG",
+)
+plugin.feature(
+    "voxelization",
+    level=3,
+    description="Faster CPU hard_voxelize for mmcv/mmdet3d voxelization (identical output).",
+    requires=("torch>=2.4.0",),
+    targets=("mmcv.ops.voxelize",),
+    impl="loongkit_ops.patches.voxelize:Voxelization",
+)
+plugin.feature(
+    "bevformer",
+    level=1,
+    description="Fused SpatialCrossAttention / TemporalSelfAttention of BEVFormer.",
+    requires=("torch>=2.4.0",),
+    targets=("mmcv.ops.multi_scale_deform_attn", "mmcv.utils.registry", "mmengine.registry.registry"),
+    impl="loongkit_ops.patches.bevformer:Bevformer",
+)
+plugin.feature(
+    "uniad",
+    level=1,
+    description="Fused and vectorised modules of UniAD.",
+    requires=("torch>=2.4.0",),
+    targets=("mmcv.utils.registry", "mmengine.registry.registry"),
+    impl="loongkit_ops.patches.uniad:UniAD",
+)
+plugin.feature(
+    "bevfusion",
+    level=3,
+    description="Fused bev_pool of BEVFusion's camera-to-BEV view transforms.",
+    requires=("torch>=2.4.0",),
+    targets=("mmengine.registry.registry", "mmcv.utils.registry"),
+    impl="loongkit_ops.patches.bevfusion:BevFusionPool",
+)
+plugin.feature(
+    "hf_acc_compile",
+    level=3,
+    description="torch.compile training with HuggingFace Accelerate (inductor).",
+    requires=("torch==2.10.*",),
+    targets=("accelerate",),
+    impl="loongkit_ops.compile.hf_accelerate:HFAccCompile",
+)
+plugin.feature(
+    "dynamic_shape_fix",
+    level=1,
+    description="Work around torch 2.9 crashes compiling with dynamic shapes.",
+    requires=("torch==2.9.*",),
+    targets=("torch._dynamo.config", "torch._inductor.config"),
+    impl="loongkit_ops.fixes:DynamicShapeFix",
+)
+plugin.feature(
+    "compile_pi0pytorch",
+    level=1,
+    description="torch.compile the pi0 PyTorch policy module.",
+    requires=("torch>=2.6.0",),
+    targets=("lerobot.policies.pi0.modeling_pi0", "openpi.models_pytorch.pi0_pytorch"),
+    impl="loongkit_ops.compile.pi0:CompilePi0",
+)
+plugin.feature(
+    "donated_buffer_fix",
+    level=1,
+    description="Disable donated_buffer where DDPOptimizer silently overwrites weights.",
+    requires=("torch>=2.6.0,<2.9",),
+    targets=("torch._dynamo.backends.distributed",),
+    impl="loongkit_ops.fixes:DonatedBufferFix",
+)
 
 
 @plugin.policy

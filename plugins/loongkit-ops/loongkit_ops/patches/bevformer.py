@@ -37,7 +37,7 @@ class Bevformer(FeatureImpl):
         if target in REGISTRY_TARGETS:
             ModelClasses.of(ctx, self, SPECS, PATCHES).watch(target)
             return
-        msda.patch_mmcv(ctx, sys.modules[target or msda.TARGET])
+        msda.patch_mmcv(ctx, sys.modules[target or self.feature.targets[0]])
         classes = ModelClasses.of(ctx, self, SPECS, PATCHES)  # one Summary row for both parts
         classes.row("mmcv.MultiScaleDeformableAttention", "loongkit::ms_deform_attn (CPU)")
         classes.refresh()

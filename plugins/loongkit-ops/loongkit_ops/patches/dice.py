@@ -32,7 +32,6 @@ from typing import Any
 from loongkit_core.context import ActivationContext, NotApplicable
 from loongkit_core.kit import FeatureImpl
 
-TARGET = "mmseg.models.losses.dice_loss"
 FORWARD_PARAMS = ["self", "pred", "target", "weight", "avg_factor", "reduction_override", "ignore_index", "kwargs"]
 DICE_LOSS_PARAMS = ["pred", "target", "weight", "eps", "reduction", "naive_dice", "avg_factor", "ignore_index"]
 ATTRIBUTES = ("use_sigmoid", "activate", "reduction", "naive_dice", "loss_weight", "eps", "ignore_index")
@@ -73,7 +72,7 @@ def activation_code(loss: Any, channels: int) -> int:
 
 class DiceLossMmseg1(FeatureImpl):
     def activate(self, ctx: ActivationContext, target: str | None) -> None:
-        module = sys.modules[target or TARGET]
+        module = sys.modules[target or self.feature.targets[0]]
         problem = interface_problem(module)
         if problem:
             raise NotApplicable(problem)
@@ -174,7 +173,7 @@ def _number(x: Any) -> bool:
 
 class DiceLossMmseg0(FeatureImpl):
     def activate(self, ctx: ActivationContext, target: str | None) -> None:
-        module = sys.modules[target or TARGET]
+        module = sys.modules[target or self.feature.targets[0]]
         problem = interface_problem0(module)
         if problem:
             raise NotApplicable(problem)

@@ -19,7 +19,6 @@ from typing import Any
 
 from loongkit_core.context import ActivationContext, NotApplicable
 
-TARGET = "mmcv.ops.multi_scale_deform_attn"
 FUNCTION = "multi_scale_deformable_attn_pytorch"
 FUNCTION_PARAMS = ["value", "value_spatial_shapes", "sampling_locations", "attention_weights"]
 FORWARD_PARAMS = ["self", "query", "key", "value", "identity", "query_pos", "key_padding_mask", "reference_points",

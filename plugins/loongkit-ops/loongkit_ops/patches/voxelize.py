@@ -18,7 +18,6 @@ from typing import Any
 from loongkit_core.context import ActivationContext, NotApplicable
 from loongkit_core.kit import FeatureImpl
 
-TARGET = "mmcv.ops.voxelize"
 FORWARD_PARAMS = ["ctx", "points", "voxel_size", "coors_range", "max_points", "max_voxels", "deterministic"]
 
 
@@ -48,7 +47,7 @@ def _plain_int(x: Any) -> bool:
 
 class Voxelization(FeatureImpl):
     def activate(self, ctx: ActivationContext, target: str | None) -> None:
-        module = sys.modules[target or TARGET]
+        module = sys.modules[target or self.feature.targets[0]]
         problem = interface_problem(module)
         if problem:
             raise NotApplicable(problem)
