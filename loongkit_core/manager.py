@@ -28,6 +28,11 @@ ENTRY_POINT_GROUP = "loongkit"  # hookspecs.ENTRY_POINT_GROUP, without importing
 # ~0.4 ms to build (plus ~6 ms for the dataclasses module where nothing else has imported it).
 
 
+class LoongkitStrictError(RuntimeError):
+    """A plugin or feature fault under ``LOONGKIT_STRICT=1`` (raised by the runtime's fault handler;
+    also ``loongkit_core.runtime.LoongkitStrictError``)."""
+
+
 class Fault(Record):
     """Something a plugin did wrong: where, what, and the traceback."""
 
