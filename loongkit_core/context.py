@@ -77,6 +77,38 @@ class FeatureStatus(Record):
         self.reason = reason
 
 
+class Scratch:
+    """A feature's per-activation state (:attr:`ActivationContext.scratch`): set any attribute on it.
+    ``live`` is True until the activation's undo, which then clears every other attribute: a callback
+    that cannot be unregistered (an import hook, a copy of a wrapper) and captured this object does
+    nothing once ``live`` is False, and the next activation gets a fresh one."""
+
+    def __init__(self) -> None:
+        self.live = True
+
+    def _drop(self) -> None:
+        self.__dict__.clear()
+        self.live = False
+
+    def __repr__(self) -> str:
+        return f"Scratch({', '.join(f'{k}={v!r}' for k, v in self.__dict__.items())})"
+
+
+class _ActivationPatcher(Patcher):
+    """The context's patcher: its ``undo`` (the feature's undo, however it is called) also drops the
+    context's scratch, after every other change is undone."""
+
+    def __init__(self, ctx: ActivationContext) -> None:
+        super().__init__()
+        self._ctx = ctx
+
+    def undo(self) -> None:
+        try:
+            super().undo()
+        finally:
+            self._ctx._drop_scratch()
+
+
 class ActivationContext:
     """Handed to ``loongkit_activate``: where a feature records what it did and that it ran."""
 
@@ -87,7 +119,8 @@ class ActivationContext:
         self.record = record
         self.env = env
         self.log = logger
-        self.patcher = Patcher()
+        self.patcher: Patcher = _ActivationPatcher(self)
+        self._scratch: Scratch | None = None
         self._on_import = on_import
         self._at_exit = at_exit
         self._features = features
@@ -216,3 +249,42 @@ class ActivationContext:
     def on_import(self, module: str, callback: Callable[[Any], None]) -> None:
         """Run ``callback(module)`` when ``module`` finishes importing (now, if it already has)."""
         self._on_import(module, callback)
+
+    # -- per activation: what the feature's undo ends ------------------------------------------------
+    @property
+    def scratch(self) -> Scratch:
+        """This activation's scratch space (made on first use): the feature's own per-activation state
+        (``ctx.scratch.seen = set()``), instead of attributes of the impl. Dropped at the feature's undo
+        (``ctx.patcher.undo()``, the default ``deactivate``): its ``live`` turns False and the next
+        activation finds a fresh one. Not a patch: it alone does not keep the feature in force."""
+        if self._scratch is None:
+            self._scratch = Scratch()
+        return self._scratch
+
+    def _drop_scratch(self) -> None:
+        scratch, self._scratch = self._scratch, None
+        if scratch is not None:
+            scratch._drop()
+
+    def on_worker_start(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(worker_id)`` first thing in every torch DataLoader worker (fork, spawn,
+        forkserver) until the feature's undo, which unregisters it. An exception it raises is caught:
+        the worker goes on. Raises ImportError where ``loongkit_core.workers`` cannot load."""
+        from loongkit_core.workers import on_worker_start as register
+
+        register(callback, owner=self.feature.name)
+        self.patcher.defer(functools.partial(_forget_worker_callback, callback))
+
+    def on_worker_exit(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(worker_id)`` when a DataLoader worker's loop returns (told to stop; not when
+        killed by a signal), until the feature's undo, which unregisters it."""
+        from loongkit_core.workers import on_worker_exit as register
+
+        register(callback, owner=self.feature.name)
+        self.patcher.defer(functools.partial(_forget_worker_callback, callback))
+
+
+def _forget_worker_callback(callback: Callable[[int], None]) -> None:
+    from loongkit_core.workers import forget
+
+    forget(callback)

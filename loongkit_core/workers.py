@@ -45,6 +45,14 @@ def on_worker_exit(callback: Callable[[int], None], owner: str = "") -> None:
     importhooks.when_imported(TARGET, _install)
 
 
+def forget(callback: Callable[[int], None]) -> None:
+    """Unregister ``callback`` (start and exit lists, every registration of it; ``ActivationContext``
+    does this at the feature's undo). The worker loop stays wrapped: with no callbacks it only calls
+    through."""
+    _callbacks[:] = [entry for entry in _callbacks if entry[1] is not callback]
+    _exit_callbacks[:] = [entry for entry in _exit_callbacks if entry[1] is not callback]
+
+
 def run_callbacks(worker_id: int, callbacks: list[tuple[str, Callable[[int], None]]] | None = None) -> None:
     for owner, callback in list(_callbacks if callbacks is None else callbacks):
         try:

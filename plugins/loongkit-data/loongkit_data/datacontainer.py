@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 from loongkit_core.context import ActivationContext, NotApplicable
@@ -124,8 +123,7 @@ class DataContainerPin(FeatureImpl):
             raise NotApplicable("mmcv.parallel.DataContainer already has pin_memory")
 
         ctx.patcher.patch(cls, "pin_memory", make_pin_memory(ctx.count), require=False)
-        switch = SimpleNamespace(on=False)
-        ctx.patcher.assign(switch, "on", True)
+        switch = ctx.scratch  # live until the undo: the import hook and copies of the wrapper then do nothing
         loaders: list[str] = []
         ctx.set_config({"DataContainer.pin_memory": True, "build_dataloader": loaders})
         skipped: set[str] = set()
@@ -142,18 +140,18 @@ class DataContainerPin(FeatureImpl):
             # Modules that import the name after the builder was patched (mmdet.datasets' own __init__,
             # which is still running when the builder's hook fires, and mmdet.apis.train) copy the
             # wrapper itself; list them for the Summary once they exist.
-            if switch.on and "w" in wrapper_holder:
+            if switch.live and "w" in wrapper_holder:
                 loaders.extend(name for name in bound_to(wrapper_holder["w"]) if name not in loaders)
 
         def on_builder(builder: Any) -> None:
-            if not switch.on:
+            if not switch.live:
                 return
             original = getattr(builder, "build_dataloader", None)
             if not callable(original):
                 ctx.log.warning("mmdet build_dataloader not found; its loaders keep pin_memory=False")
                 return
             wrapper = wrapper_holder.setdefault(
-                "w", wrap_build_dataloader(original, on_skip=on_skip, enabled=lambda: switch.on))
+                "w", wrap_build_dataloader(original, on_skip=on_skip, enabled=lambda: switch.live))
             loaders.extend(patch_builder(ctx.patcher, builder, wrapper))
             ctx.at_exit(note_copies)
             ctx.log.info("mmdet build_dataloader turns on pin_memory", patched=loaders)

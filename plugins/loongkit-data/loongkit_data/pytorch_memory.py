@@ -24,10 +24,8 @@ import gc
 import inspect
 import os
 import time
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from loongkit_core import workers
 from loongkit_core.context import ActivationContext, NotApplicable
 from loongkit_core.kit import FeatureImpl
 from loongkit_data import allocator
@@ -110,12 +108,7 @@ class PytorchMemory(FeatureImpl):
             if allocator.preloaded_allocator() == "jemalloc":
                 self.config["worker_malloc"] += f"; {JEMALLOC_WORKERS}"
             ctx.log.info("worker malloc tuning skipped", reason=reason)
-        # A worker callback cannot be unregistered: this activation's one runs while its switch is
-        # on, which ctx.patcher.assign turns on and the default deactivate off again.
-        switch = SimpleNamespace(on=False)
-        ctx.patcher.assign(switch, "on", True)
-        workers.on_worker_start(lambda worker_id: self._worker_start(worker_id) if switch.on else None,
-                                owner=self.feature.name)
+        ctx.on_worker_start(self._worker_start)  # unregistered by the default deactivate
         if ctx.env.process.role != "main":
             ctx.set_config(self.config)
             return  # a spawned worker: the callback above is all it needs
@@ -329,7 +322,7 @@ class PytorchMemory(FeatureImpl):
             report()
 
         # The batch count only needs to be right at the end: the loop's return writes the last state.
-        workers.on_worker_exit(lambda _worker_id: report(force=True), owner=self.feature.name)
+        self.ctx.on_worker_exit(lambda _worker_id: report(force=True))
 
         for cls in (fetch._MapDatasetFetcher, fetch._IterableDatasetFetcher):
             original = cls.fetch

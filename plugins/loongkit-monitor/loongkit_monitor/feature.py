@@ -330,11 +330,8 @@ class MonitorFeature(FeatureImpl):
 
     @staticmethod
     def _hook_dataloader(ctx: ActivationContext, monitor: Monitor, module: Any) -> None:
-        from loongkit_core import workers
-
-        switch = monitor  # the worker callbacks cannot be unregistered: they check monitor.live
-        workers.on_worker_start(lambda worker_id: switch.worker_started(worker_id), owner="monitor")
-        workers.on_worker_exit(lambda worker_id: switch.worker_stopping(worker_id), owner="monitor")
+        ctx.on_worker_start(monitor.worker_started)  # both unregistered by the default deactivate
+        ctx.on_worker_exit(monitor.worker_stopping)
         if _role(monitor.process) == "worker":
             return
         base = getattr(module, "_BaseDataLoaderIter", None)

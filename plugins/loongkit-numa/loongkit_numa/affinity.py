@@ -5,7 +5,7 @@ At boot, in a training (MAIN) process: find the GPUs the local ranks use, build 
 to its rank's training CPUs (``os.sched_setaffinity`` on every thread) and prefer its memory node
 (``set_mempolicy(MPOL_PREFERRED)`` through ``ctypes``, no libnuma). The rank's data CPUs travel to
 its DataLoader workers in the environment variable :data:`WORKER_PLAN_ENV`; a worker (fork or
-spawn) applies them when it starts, through ``loongkit_core.workers.on_worker_start`` and through
+spawn) applies them when it starts, through the callback ``ctx.on_worker_start`` registers and through
 its own boot in the WORKER role, whichever comes first (applying twice is harmless).
 
 Faults are reasons, never exceptions escaping into training: anything that cannot be done raises
@@ -41,7 +41,6 @@ MIN_TORCH_PCI = (2, 5)  # torch.cuda device properties carry the PCI address fro
 # callback registered by none): a feature logs through its ctx.log, which in a DataLoader worker writes to
 # that worker's loongkit log file.
 _log = get_logger("loongkit.numa_affinity")
-_worker_log: Any = None  # the ctx.log of the activation that registered the worker callback
 
 
 # -- memory policy ------------------------------------------------------------------------------------
@@ -254,32 +253,30 @@ def apply_worker_binding(environ: Mapping[str, str] | None = None) -> tuple[bool
     return True, message
 
 
-def on_data_worker_start(worker_id: int) -> None:
-    """``loongkit_core.workers.on_worker_start`` callback: runs first thing in every DataLoader worker."""
+def on_data_worker_start(worker_id: int, log: Any = None) -> None:
+    """The DataLoader worker callback (``ctx.on_worker_start``): runs first thing in every worker, logging
+    to ``log`` (the registering activation's ``ctx.log``)."""
     try:
         applied, message = apply_worker_binding()
     except Exception as exc:  # never break a DataLoader worker
         applied, message = False, f"{type(exc).__name__}: {exc}"
-    log = _worker_log if _worker_log is not None else _log
+    log = log if log is not None else _log
     (log.info if applied else log.debug)(f"numa_affinity: worker {worker_id}: {message}")
 
 
-_worker_hook_registered = False
-
-
 def _register_worker_hook(ctx: ActivationContext) -> None:
-    global _worker_hook_registered, _worker_log
-    _worker_log = ctx.log
-    if _worker_hook_registered:
+    """Once per activation; the default deactivate unregisters it."""
+    scratch = ctx.scratch
+    if getattr(scratch, "worker_hook", False):
         return
+    callback = functools.update_wrapper(functools.partial(on_data_worker_start, log=ctx.log), on_data_worker_start)
     try:
-        from loongkit_core.workers import on_worker_start
+        ctx.on_worker_start(callback)
     except ImportError as exc:
         ctx.log.warning(f"numa_affinity: loongkit_core.workers unavailable ({exc}); forked DataLoader workers "
                         "keep the training CPUs")
         return
-    on_worker_start(on_data_worker_start, owner="numa_affinity")
-    _worker_hook_registered = True
+    scratch.worker_hook = True
 
 
 # -- the feature ------------------------------------------------------------------------------------

@@ -31,7 +31,6 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 from pydantic import Field
@@ -229,7 +228,6 @@ class ConfigGuards(FeatureImpl):
         self._user_vars: dict[str, tuple[int | None, str]] | None = None
         self._logged: set[str] = set()
         self._config: dict[str, Any] = {}
-        self._worker_hook = False  # set through ctx.patcher.assign: False again after an undo
         self._workers_started = False  # a worker set has already started: later ones stay quiet
 
     def detect(self, env: Environment) -> str | None:
@@ -502,20 +500,14 @@ class ConfigGuards(FeatureImpl):
         return tuple(bound.args[1:]), dict(bound.kwargs)
 
     def _register_worker_hook(self, ctx: ActivationContext) -> None:
-        if self._worker_hook:
+        scratch = ctx.scratch  # once per activation: the default deactivate unregisters the callback
+        if getattr(scratch, "worker_hook", False):
             return
-        from loongkit_core.workers import on_worker_start as register
-
+        scratch.worker_hook = True
         log, count = ctx.log, ctx.count
-        # A worker callback cannot be unregistered: this one runs while its switch is on, which
-        # ctx.patcher.assign turns on and the default deactivate off again (with _worker_hook, so that
-        # an activation after the undo registers its own).
-        switch = SimpleNamespace(on=False)
-        ctx.patcher.assign(switch, "on", True)
-        ctx.patcher.assign(self, "_worker_hook", True)
 
         def callback(worker_id: int) -> None:
-            if switch.on and on_worker_start(worker_id, log) is not None:
+            if on_worker_start(worker_id, log) is not None:
                 count()
 
-        register(callback, owner="config_guards")
+        ctx.on_worker_start(callback)

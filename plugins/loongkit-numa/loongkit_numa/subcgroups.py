@@ -62,7 +62,6 @@ ENABLE_TRIES = 3  # v2: processes forked into the parent meanwhile make +cpuset 
 # The core's structlog logger, for calls made without an activation (a worker callback registered by none):
 # a feature logs through its ctx.log, which in a DataLoader worker writes to that worker's loongkit log file.
 _log = get_logger("loongkit.subcgroups")
-_worker_log: Any = None  # the ctx.log of the activation that registered the worker callback
 
 
 def _directory_or_unset(value: object) -> object:
@@ -439,34 +438,31 @@ def join_data_group(ops: CgroupOps, environ: Mapping[str, str] | None = None) ->
     return True, f"data worker joined {group} (cgroup v{version})"
 
 
-_worker_ops: CgroupOps = CgroupOps()
-_worker_hook_registered = False
-
-
-def on_data_worker_start(worker_id: int) -> None:
-    """``loongkit_core.workers.on_worker_start`` callback: runs first thing in every DataLoader worker."""
+def on_data_worker_start(worker_id: int, ops: CgroupOps | None = None, log: Any = None) -> None:
+    """The DataLoader worker callback (``ctx.on_worker_start``): runs first thing in every worker, with the
+    registering activation's ``ops`` and ``ctx.log``."""
     try:
-        joined, message = join_data_group(_worker_ops)
+        joined, message = join_data_group(ops if ops is not None else CgroupOps())
     except Exception as exc:  # never break a DataLoader worker
         joined, message = False, f"{type(exc).__name__}: {exc}"
-    log = _worker_log if _worker_log is not None else _log
+    log = log if log is not None else _log
     (log.info if joined else log.warning)(f"subcgroups: worker {worker_id}: {message}")
 
 
 def _register_worker_hook(ctx: ActivationContext, ops: CgroupOps) -> None:
-    global _worker_hook_registered, _worker_ops, _worker_log
-    _worker_ops = ops
-    _worker_log = ctx.log
-    if _worker_hook_registered:
+    """Once per activation; the default deactivate unregisters it."""
+    scratch = ctx.scratch
+    if getattr(scratch, "worker_hook", False):
         return
+    callback = functools.update_wrapper(functools.partial(on_data_worker_start, ops=ops, log=ctx.log),
+                                        on_data_worker_start)
     try:
-        from loongkit_core.workers import on_worker_start
+        ctx.on_worker_start(callback)
     except ImportError as exc:
         ctx.log.warning(f"subcgroups: loongkit_core.workers unavailable ({exc}); forked DataLoader workers "
                         "stay in the training group")
         return
-    on_worker_start(on_data_worker_start, owner="subcgroups")
-    _worker_hook_registered = True
+    scratch.worker_hook = True
 
 
 # -- the feature ------------------------------------------------------------------------------------------

@@ -156,15 +156,14 @@ class DynamicShapeFix(FeatureImpl):
         and scripts reset between compiles (torch 2.9's dynamic-shape probe did before each case),
         so such a counter stopped before the first compile and the row read ``calls=0``.
         """
-        if vars(self).get("_counting") is not None:
+        scratch = ctx.scratch  # once per activation; dead at undo: a registration still pending then must not happen
+        if getattr(scratch, "counting", False):
             return
-        ctx.patcher.patch(self, "_counting", True, require=False)  # once per activation, forgotten at undo
-        live = [True]  # cleared at undo: a registration still pending then must not happen
-        ctx.patcher.defer(live.clear)
+        scratch.counting = True
         count = ctx.count
 
         def register(module: Any) -> None:
-            if not live:
+            if not scratch.live:
                 return
             handler = getattr(module, "callback_handler", None)
             run_start = getattr(handler, "run_start_callbacks", None)

@@ -62,8 +62,8 @@ def fake_workers_module(monkeypatch: pytest.MonkeyPatch) -> list:
     registered: list = []
     module = types.ModuleType("loongkit_core.workers")
     module.on_worker_start = lambda cb, owner="": registered.append(cb)  # type: ignore[attr-defined]
+    module.forget = lambda cb: None  # type: ignore[attr-defined]  # what the undo calls
     monkeypatch.setitem(sys.modules, "loongkit_core.workers", module)
-    monkeypatch.setattr(affinity, "_worker_hook_registered", False)
     return registered
 
 
@@ -237,7 +237,6 @@ def test_missing_workers_module_is_a_warning(tmp_path: Path, monkeypatch: pytest
     require_cpus_0_1()
     two_cpu_two_node(tmp_path)
     monkeypatch.setitem(sys.modules, "loongkit_core.workers", None)  # import fails
-    monkeypatch.setattr(affinity, "_worker_hook_registered", False)
     env = make_env(str(tmp_path), local_rank=0, local_world_size=2)
     impl = NumaAffinity(numa_feature())
     ctx, log = make_ctx(env, impl.configure(env, None)[0])

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from loongkit_numa import guards
 
+from loongkit_core import workers
 from loongkit_core.context import NotApplicable
 from loongkit_core.process import LAUNCHER, WORKER
 
@@ -225,10 +226,11 @@ def test_worker_role_only_hooks_workers(guard_ctx: Any) -> None:
     impl, ctx, log = guard_ctx(role=WORKER, environ={"OMP_NUM_THREADS": "64"}, tree=dict(cpus="0-1"))
     impl.activate(ctx, "torch")
     assert ctx.record.config["findings"] == [] and log.at("warning") == []
-    # Only the worker callback's switches are recorded: nothing of torch is patched in a worker.
-    assert [name for _, name in ctx.patcher.patched] == ["on", "_worker_hook"] and impl._worker_hook
+    # Only the worker callback is recorded: nothing of torch is patched in a worker.
+    assert ctx.patcher.patched == [] and len(ctx.patcher) == 1 and ctx.scratch.worker_hook
+    assert [owner for owner, _ in workers._callbacks].count("config_guards") == 1
     impl.deactivate(ctx)
-    assert not impl._worker_hook and len(ctx.patcher) == 0
+    assert len(ctx.patcher) == 0 and "config_guards" not in [owner for owner, _ in workers._callbacks]
 
 
 # -- issue 17: the intra-op pool as the job sets it, not only at boot ----------------------------------

@@ -38,11 +38,6 @@ def transformers_affected() -> bool:
 
 
 class HFAccCompile(FeatureImpl):
-    def __init__(self, feature: Any) -> None:
-        super().__init__(feature)
-        self._fa2: tuple[dict[str, Any], Any, Any] | None = None  # (mapping, original, wrapped)
-        self._token: object | None = None  # this activation; an import hook of an undone one does nothing
-
     def activate(self, ctx: ActivationContext, target: str | None) -> None:
         import torch
 
@@ -81,11 +76,10 @@ class HFAccCompile(FeatureImpl):
         prepare_model.__wrapped__ = original_prepare  # type: ignore[attr-defined]
         ctx.patcher.patch(accelerator, "__init__", __init__)
         ctx.patcher.patch(accelerator, "prepare_model", prepare_model)
-        token = object()
-        ctx.patcher.patch(self, "_token", token)  # None again at undo: a pending import hook then does nothing
+        scratch = ctx.scratch  # dead at undo: a pending import hook of an undone activation then does nothing
         if transformers_affected():
             ctx.on_import("transformers.modeling_utils",
-                          lambda mod: self._disable_fa2(ctx, mod, config) if self._token is token else None)
+                          lambda mod: self._disable_fa2(ctx, mod, config) if scratch.live else None)
         else:
             config["fa2_disabled"] = "not needed (transformers is not 4.57.*)"
         ctx.log.info("Accelerate compile armed", backend="inductor")
@@ -96,11 +90,11 @@ class HFAccCompile(FeatureImpl):
         interface = getattr(modeling_utils, "AttentionInterface", None)
         mapping = getattr(interface, "_global_mapping", None)
         original = mapping.get(FA2_KEY) if isinstance(mapping, dict) else None
-        if original is None or self._fa2 is not None:
+        if original is None or getattr(ctx.scratch, "fa2", None) is not None:
             config["fa2_disabled"] = config["fa2_disabled"] or "no flash_attention_2 entry in AttentionInterface"
             return
         wrapped = torch.compiler.disable(original)
         ctx.patcher.set_item(mapping, FA2_KEY, wrapped)
-        ctx.patcher.patch(self, "_fa2", (mapping, original, wrapped))
+        ctx.scratch.fa2 = (mapping, original, wrapped)
         config["fa2_disabled"] = "flash_attention_2 attention_interface runs outside the compiled graph"
         ctx.log.info("flash_attention_2 attention_interface excluded from compilation (transformers 4.57)")

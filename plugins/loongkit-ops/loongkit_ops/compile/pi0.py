@@ -29,10 +29,6 @@ CLASS = "PI0Pytorch"
 
 
 class CompilePi0(FeatureImpl):
-    def __init__(self, feature: Any) -> None:
-        super().__init__(feature)
-        self.compiler: Compiler | None = None
-
     def activate(self, ctx: ActivationContext, target: str | None) -> None:
         import torch
 
@@ -43,9 +39,9 @@ class CompilePi0(FeatureImpl):
             raise NotApplicable(f"{target} has no {CLASS} nn.Module class")
         if "__init__" not in cls.__dict__ or "forward" not in cls.__dict__:
             raise NotApplicable(f"{target}.{CLASS} defines no __init__/forward")
-        if self.compiler is None:  # both targets (lerobot and openpi) report into one Summary config
-            ctx.patcher.patch(self, "compiler", Compiler(ctx))  # forgotten (and its modules eager) at undo
-        compiler = self.compiler
+        compiler = getattr(ctx.scratch, "compiler", None)  # forgotten (and its modules eager) at undo
+        if compiler is None:  # both targets (lerobot and openpi) report into one Summary config
+            compiler = ctx.scratch.compiler = Compiler(ctx)
         group = f"{target}.{CLASS}"
 
         forward = CompiledMethod(ctx, cls, "forward")

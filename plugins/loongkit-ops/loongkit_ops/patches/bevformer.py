@@ -35,9 +35,9 @@ PATCHES: dict[str, Patch] = {"sca": bevformer_sca.patch, "msda": bevformer_fused
 class Bevformer(FeatureImpl):
     def activate(self, ctx: ActivationContext, target: str | None) -> None:
         if target in REGISTRY_TARGETS:
-            ModelClasses.of(ctx, self, SPECS, PATCHES).watch(target)
+            ModelClasses.of(ctx, SPECS, PATCHES).watch(target)
             return
         msda.patch_mmcv(ctx, sys.modules[target or self.feature.targets[0]])
-        classes = ModelClasses.of(ctx, self, SPECS, PATCHES)  # one Summary row for both parts
+        classes = ModelClasses.of(ctx, SPECS, PATCHES)  # one Summary row for both parts
         classes.row("mmcv.MultiScaleDeformableAttention", "loongkit::ms_deform_attn (CPU)")
         classes.refresh()

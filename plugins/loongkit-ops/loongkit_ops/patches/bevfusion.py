@@ -298,12 +298,12 @@ class BevFusionPool(FeatureImpl):
         from loongkit_ops import kernels
 
         # Shared by both registry targets; forgotten at undo so a new activation patches again.
-        if "_seen" not in self.__dict__:
-            self._seen: dict[type, dict[str, str]] = {}
-            self._patched: list[str] = []
-            self._skipped: dict[str, str] = {}
-            ctx.patcher.defer(lambda: [self.__dict__.pop(k, None) for k in ("_seen", "_patched", "_skipped")])
-        seen, done, skipped = self._seen, self._patched, self._skipped
+        scratch = ctx.scratch
+        if not hasattr(scratch, "seen"):
+            scratch.seen, scratch.patched, scratch.skipped = {}, [], {}
+        seen: dict[type, dict[str, str]] = scratch.seen
+        done: list[str] = scratch.patched
+        skipped: dict[str, str] = scratch.skipped
 
         def skip(where: str, problem: str) -> None:
             skipped[where] = problem

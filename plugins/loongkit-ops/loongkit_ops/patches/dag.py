@@ -149,10 +149,9 @@ class SparseDAG(FeatureImpl):
 
         # Shared by both registry targets (mmengine's and mmcv 1.x's); forgotten at undo, so a later
         # activation checks and patches every class again.
-        patched: dict[type, str] | None = vars(self).get("_patched")
+        patched: dict[type, str] | None = getattr(ctx.scratch, "patched", None)
         if patched is None:
-            patched = {}
-            ctx.patcher.patch(self, "_patched", patched, require=False)
+            patched = ctx.scratch.patched = {}
         details = ctx.record.details  # read only: the JSON's lists are written through ctx.detail
 
         def on_class(cls: type) -> None:

@@ -110,13 +110,12 @@ class ModelClasses:
         self.registries: list[type] = []
 
     @classmethod
-    def of(cls, ctx: ActivationContext, owner: Any, specs: dict[str, Spec], patches: dict[str, Patch]) -> ModelClasses:
-        """``owner``'s ModelClasses for this activation: made on first use, forgotten at ``ctx.patcher.undo()``
-        (so a later activation starts afresh and patches every class again)."""
-        found = vars(owner).get("_model_classes")
-        if found is None or found.ctx is not ctx:
-            found = cls(ctx, specs, patches)
-            ctx.patcher.patch(owner, "_model_classes", found, require=False)
+    def of(cls, ctx: ActivationContext, specs: dict[str, Spec], patches: dict[str, Patch]) -> ModelClasses:
+        """This activation's ModelClasses (in ``ctx.scratch``): made on first use, forgotten at
+        ``ctx.patcher.undo()`` (so a later activation starts afresh and patches every class again)."""
+        found: ModelClasses | None = getattr(ctx.scratch, "model_classes", None)
+        if found is None:
+            found = ctx.scratch.model_classes = cls(ctx, specs, patches)
         return found
 
     def watch(self, module_name: str) -> None:

@@ -160,4 +160,4 @@ class UniAD(FeatureImpl):
 
     def activate(self, ctx: ActivationContext, target: str | None) -> None:
         assert target is not None
-        ModelClasses.of(ctx, self, UNIAD_SPECS, {**PATCHES, "collision": patch_collision}).watch(target)
+        ModelClasses.of(ctx, UNIAD_SPECS, {**PATCHES, "collision": patch_collision}).watch(target)
