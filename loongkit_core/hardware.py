@@ -440,32 +440,23 @@ def _gpus(r: _Reader) -> tuple[Gpu, ...]:
 
 
 def _cgroup(r: _Reader) -> tuple[int | None, frozenset[int] | None]:
-    """cgroup version, and the effective cpuset of this process's cgroup when it can be read."""
-    if os.path.exists(r.path("sys/fs/cgroup/cgroup.controllers")):
-        version: int | None = 2
-    elif os.path.isdir(r.path("sys/fs/cgroup")):
-        version = 1
-    else:
+    """cgroup version, and the effective cpuset of this process's cgroup when it can be read (located
+    and read by the core's cgroup reader, :mod:`loongkit_core.cgroupfs`)."""
+    from loongkit_core import cgroupfs
+
+    version, files = cgroupfs.cpuset_files(r.root)
+    if version is None:
         r.notes.append("no sys/fs/cgroup")
         return None, None
-    own = r.text("proc/self/cgroup", note=False) or ""
-    path = "/"
-    for line in own.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
+    for path in files:
+        raw = cgroupfs.read_text(path, 1 << 20)
+        if raw is None:
             continue
-        if (version == 2 and parts[0] == "0") or (version == 1 and "cpuset" in parts[1].split(",")):
-            path = parts[2].strip() or "/"
-            break
-    if version == 2:
-        candidates = [f"sys/fs/cgroup{path}/cpuset.cpus.effective", "sys/fs/cgroup/cpuset.cpus.effective"]
-    else:
-        candidates = [f"sys/fs/cgroup/cpuset{path}/cpuset.effective_cpus", f"sys/fs/cgroup/cpuset{path}/cpuset.cpus",
-                      "sys/fs/cgroup/cpuset/cpuset.effective_cpus", "sys/fs/cgroup/cpuset/cpuset.cpus"]
-    for rel in candidates:
-        # The path from /proc/self/cgroup is relative to the cgroup namespace; inside a container
-        # the mount root is usually the container's own group, hence the fallbacks.
-        cpus = r.cpulist(rel.replace("//", "/"), note=False)
+        try:
+            cpus = parse_cpulist(raw)
+        except ValueError:
+            r.notes.append(f"garbled cpulist in {os.path.relpath(path, r.root)}: {raw.strip()[:40]!r}")
+            continue
         if cpus:
             return version, cpus
     return version, None
