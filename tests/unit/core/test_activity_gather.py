@@ -1,5 +1,5 @@
 """loongkit_core.activity_gather: the runtime's side of activity across processes (the channel itself is
-tested in tests/unit/test_activity_channel.py and tests/e2e/test_activity.py): the signs that a process is a
+tested in tests/unit/core/test_activity.py and tests/e2e/test_activity.py): the signs that a process is a
 training job, folding workers' counts in, a worker's reporter."""
 
 from __future__ import annotations

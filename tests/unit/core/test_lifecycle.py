@@ -1,6 +1,6 @@
 """loongkit_core.lifecycle: features' exit callbacks (newest first, in the process that registered each,
 isolated), then the Summary once, from the process that booted; the after-fork handler. SIGTERM arriving
-during the exit callbacks: tests/unit/test_activity_channel.py."""
+during the exit callbacks: tests/unit/core/test_activity.py."""
 
 from __future__ import annotations
 

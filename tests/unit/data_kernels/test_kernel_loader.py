@@ -21,7 +21,7 @@ def fresh_calibration() -> Any:
 
 def test_no_kernel_falls_back_with_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     # How the library fails (no compiler, build error, broken binary) is the core loader's business
-    # (tests/unit/test_kernels.py); here: the entry points send every image to upstream.
+    # (tests/unit/core/test_kernels.py); here: the entry points send every image to upstream.
     monkeypatch.setattr(kernels, "load", lambda: None)
     monkeypatch.setattr(kernels, "failure", lambda: "KernelError: no C++ compiler (c++ not on PATH)")
     out, why = ops.imnormalize(np.zeros((2, 2, 3), np.uint8), np.zeros(3), np.ones(3), True)

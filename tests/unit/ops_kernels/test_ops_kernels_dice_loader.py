@@ -1,5 +1,5 @@
 """loongkit::dice_stats vs its fp64 reference, opcheck/gradcheck, and the reference path without a kernel
-(the loader itself: tests/unit/test_kernels.py)."""
+(the loader itself: tests/unit/core/test_kernels.py)."""
 
 from __future__ import annotations
 
