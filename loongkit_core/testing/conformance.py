@@ -58,9 +58,10 @@ HEAVY_MODULES = ("torch", "numpy", "triton", "mmcv", "mmengine", "mmdet", "mmseg
 # its Environment (ctx.env: settings, process, hardware) and the core's other modules (context, kit,
 # feature, settings, log, hardware, process, workers, activity, requirements, resident, kernels,
 # kernelbuild, cgroupfs, compare, testing).
-RUNTIME_INTERNALS = ("loongkit_core.runtime", "loongkit_core.resolved", "loongkit_core.manager",
-                     "loongkit_core.importhooks", "loongkit_core._boot", "loongkit_core.all", "loongkit_core.prelude",
-                     "loongkit_core.launcher")
+RUNTIME_INTERNALS = ("loongkit_core.runtime", "loongkit_core.resolution", "loongkit_core.replay",
+                     "loongkit_core.lifecycle", "loongkit_core.activity_gather", "loongkit_core.resolved",
+                     "loongkit_core.manager", "loongkit_core.importhooks", "loongkit_core._boot", "loongkit_core.all",
+                     "loongkit_core.prelude", "loongkit_core.launcher")
 # The fields of a FeatureRecord (loongkit_core.feature): written by the runtime and the context's verbs only.
 RECORD_FIELDS = frozenset({"state", "reason", "explicit", "enabled", "config", "calls", "activation_calls",
                            "worker_calls", "workers", "node", "applied_targets", "policy", "details"})
