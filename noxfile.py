@@ -375,9 +375,10 @@ def _versions(session: nox.Session) -> str:
 def compat_torch28(session: nox.Session) -> None:
     """torch 2.8.0 (LOONGKIT_DONATED_BUFFER_FIX): tests/compat/donated_buffer_job.py under torchrun, 2 ranks,
     gloo on the CPU, DDP + DDPOptimizer around an inductor-compiled MLP, compared with eager DDP on the same
-    batches. Bare, upstream's bug (pytorch/pytorch#160745) overwrites weights; under loongkit-run with the fix
-    they equal eager's, bitwise equal to upstream's manual workaround (donated_buffer=False), and the
-    Summary stars the fix on both ranks."""
+    batches: bare, with upstream's manual workaround (donated_buffer=False) and under loongkit-run with the
+    fix. Required: with the fix the weights equal eager's (1e-5 relative) and the workaround's bitwise, and the
+    Summary stars the fix on both ranks. The bare difference is reported (this MLP does not show upstream's
+    corruption on the CPU: see the job's docstring)."""
     import re
 
     _compat_install(session, "torch==2.8.0")
@@ -385,12 +386,12 @@ def compat_torch28(session: nox.Session) -> None:
     if not versions:  # nox --install-only
         return
     job = ["torchrun", "--nproc-per-node", "2", "--master-port", "29531", "tests/compat/donated_buffer_job.py"]
-    env = {"OMP_NUM_THREADS": "1"}
+    env = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}  # each run compiles afresh
 
     def run(*prefix: str, **extra: str) -> tuple[list[float], set[str], str]:
         out = session.run(*prefix, *job, silent=True, env={**env, **extra}) or ""
         print(out)
-        lines = re.findall(r"rank (\d): max weight diff compiled vs eager (\S+) \(relative \S+\) sha256 (\w+)", out)
+        lines = re.findall(r"rank (\d): max weight diff compiled vs eager \S+ \(relative (\S+)\) sha256 (\w+)", out)
         if len(lines) != 2:
             session.error("the job did not report both ranks")
         return [float(d) for _, d, _ in lines], {s for _, _, s in lines}, out
@@ -399,13 +400,12 @@ def compat_torch28(session: nox.Session) -> None:
     workaround, workaround_sha, _ = run(DONATED_BUFFER_OFF="1")
     fixed, fixed_sha, out = run("loongkit-run", LOONGKIT_DONATED_BUFFER_FIX="1")
     starred = re.search(r"donated_buffer_fix\s+\*.*\(ranks 0,1 of 2\b", out)
-    session.log(f"{versions}: bare max weight diff {max(bare):.3g}, with fix {max(fixed):.3g}, upstream's "
+    session.log(f"{versions}: bare max relative weight diff {max(bare):.3g}, with fix {max(fixed):.3g}, upstream's "
                 f"workaround {max(workaround):.3g} (fix {'==' if fixed_sha == workaround_sha else '!='} workaround "
                 f"bitwise), starred {'2/2' if starred else '0/2'}")
-    if max(bare) < 1e-3:
-        session.error(f"bare torch did not show the upstream bug (max weight diff {max(bare):.3g})")
-    if max(fixed) > 1e-5 or not starred:
-        session.error("with the fix: weights differ from eager's or the Summary row is not starred on both ranks")
+    if max(fixed) > 1e-5 or fixed_sha != workaround_sha or not starred:
+        session.error("with the fix: weights differ from eager's or the workaround's, or the row is not starred on "
+                      "both ranks")
 
 
 @nox.session(name="compat-torch2.10", python="3.13", tags=["compat"])
