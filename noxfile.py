@@ -290,8 +290,9 @@ def published_lerobot(session: nox.Session) -> None:
 
 # -- compatibility matrix (issue 26): `nox -t compat`, one venv per row, torch pinned ---------------------
 # Not in `-t test` (CI): each row is a 5-7 GB venv of PyPI's torch (CUDA builds, run on the CPU here).
-# Rows still to add: 2.8.0 (DONATED_BUFFER_FIX), 2.9.x (DYNAMIC_SHAPE_FIX), 2.10.x (HF_ACC_COMPILE),
-# the newest torch on Python 3.13.
+# Rows: 2.4.1/py3.10 (the minimum), 2.8.0 (DONATED_BUFFER_FIX), 2.9.0 (DYNAMIC_SHAPE_FIX), 2.10.0/py3.13
+# (HF_ACC_COMPILE), the newest torch/py3.13. Python 3.10 and 3.13 must be on PATH
+# (pyenv: `PYENV_VERSION=3.11.7:3.10.13:3.12.1:3.13.0 nox -t compat`). Results: docs/features/ops-compile.md.
 COMPAT_OPS_TESTS = ["tests/unit/ops", "tests/unit/ops_kernels", "tests/unit/ops_models"]
 
 
@@ -445,7 +446,8 @@ NEWEST_TORCH = "torch==2.14.1"  # the newest torch this machine's pip constraint
 def compat_newest(session: nox.Session) -> None:
     """The newest torch allowed here (NEWEST_TORCH) on Python 3.13: the unit tests (not integration), then a
     LOONGKIT_ALL=1 job (examples/train_classifier.py under loongkit-run)."""
-    _compat_install(session, NEWEST_TORCH, *HF_DEPS, TRITON)
+    # No TRITON pin: PyPI's torch 2.14.1 requires triton~=3.8.0 and brings it.
+    _compat_install(session, NEWEST_TORCH, *HF_DEPS)
     versions = _versions(session)
     if not versions:  # nox --install-only
         return
