@@ -35,7 +35,8 @@ PLUGINS = sorted(str(p) for p in (ROOT / "plugins").iterdir() if (p / "pyproject
 WHEELS = Path(os.environ.get("LOONGKIT_WHEEL_CACHE", Path.home() / ".cache" / "loongkit-wheels"))
 TEST_DEPS = ["pytest>=7.4", "hypothesis>=6.80", "numpy", "psutil"]
 # The OPENVLA / HF_ACC_COMPILE tests build a tiny Llama in code; pinned so torch stays 2.13.0.
-HF_DEPS = ["transformers==4.57.6", "accelerate==1.15.0"]
+TRANSFORMERS = "transformers==4.57.6"
+HF_DEPS = [TRANSFORMERS, "accelerate==1.15.0"]
 # Triton GPU kernels are tested on the CPU with TRITON_INTERPRET=1.
 TRITON = "triton==3.9.0"
 
@@ -283,7 +284,7 @@ def published_lerobot(session: nox.Session) -> None:
     compiles on 2 cores.
     """
     session.install("-U", "pip", "wheel", "setuptools<81")
-    session.install("torch==2.10.0", "torchvision==0.25.0", "lerobot==0.4.4", *HF_DEPS[:1])
+    session.install("torch==2.10.0", "torchvision==0.25.0", "lerobot==0.4.4", TRANSFORMERS)
     session.install("-e", ".", "-e", str(ROOT / "plugins" / "loongkit-ops"), *TEST_DEPS)
     session.run("pytest", "-m", "published", "-rs", "tests/published", *session.posargs)
 

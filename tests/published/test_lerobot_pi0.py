@@ -8,10 +8,9 @@ The job (lerobot_pi0_job.py) trains the real ``PI0Policy`` for three steps besid
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,14 +21,13 @@ JOB = Path(__file__).with_name("lerobot_pi0_job.py")
 GROUP = "lerobot.policies.pi0.modeling_pi0.PI0Pytorch"
 
 
-def test_pi0_policy_training_step_is_compiled(tmp_path: Path) -> None:
-    summary, out = tmp_path / "summary.json", tmp_path / "job.json"
-    env = {**os.environ, "LOONGKIT_COMPILE_PI0PYTORCH": "1", "LOONGKIT_SUMMARY_JSON": str(summary)}
-    run = subprocess.run([str(Path(sys.executable).with_name("loongkit-run")), sys.executable, str(JOB), str(out)],
-                         env=env, capture_output=True, text=True, timeout=1500)
-    print(run.stdout[-4000:], run.stderr[-4000:])
-    assert run.returncode == 0
-    row = next(f for f in json.loads(summary.read_text())["features"] if f["name"] == "compile_pi0pytorch")
+def test_pi0_policy_training_step_is_compiled(tmp_path: Path, run_loongkit: Any) -> None:
+    out = tmp_path / "job.json"
+    r = run_loongkit(argv=[sys.executable, str(JOB), str(out)], env={"LOONGKIT_COMPILE_PI0PYTORCH": "1"},
+                     timeout=1500)
+    print(r.stdout[-4000:], r.stderr[-4000:])
+    assert r.returncode == 0
+    row = r.feature("compile_pi0pytorch")
     assert row["state"] == "active", row  # starred: its compiled forward ran
     assert row["calls"] == 3  # the three training steps of the compiled policy; the eager copy's are not
     config = row["config"]
