@@ -12,6 +12,10 @@ Fixtures:
 * ``loongkit_runtime`` — boot an in-process :class:`~loongkit_core.runtime.Runtime` on an explicit
   environment, activate chosen features on their target, and deactivate everything at teardown
   (patches undone), for tests that call the patched code directly.
+
+Helpers: ``skip_outside_declaration(feature, "torch")`` skips a test where the installed torch (or any
+distribution named) is outside the feature's own ``requires``; ``free_port``, ``read_json``,
+``install_fake_plugin``.
 """
 
 from __future__ import annotations
@@ -216,6 +220,25 @@ def fake_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterat
 
     yield make
     requirements.installed.cache_clear()  # before monkeypatch restores sys.path: nothing reads it between
+
+
+def skip_outside_declaration(feature: Any, *distributions: str) -> None:
+    """Skip the calling test where the installed ``distributions`` (e.g. "torch") fall outside
+    ``feature``'s own ``requires``: there the feature is not applicable, and says so in its Summary row.
+
+    Tests that build their own stand-in for the framework name only the real distributions they use, so
+    a missing mmdet does not skip a test that fakes it. The skip reason is the Summary's."""
+    from loongkit_core import requirements
+
+    names = {name.lower() for name in distributions}
+    declared = [req for req in feature.requires if _requirement_name(req) in names]
+    reason = requirements.check_all(declared)
+    if reason is not None:
+        pytest.skip(f"{feature.name} declares {', '.join(declared)}: {reason} (not applicable there)")
+
+
+def _requirement_name(requirement: str) -> str:
+    return re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].strip().lower()
 
 
 def free_port() -> int:

@@ -48,3 +48,21 @@ def test_a_child_process_sees_it_too(fake_distribution, run_loongkit, tmp_path: 
     assert r.feature("gated_new")["active"]
     newer = r.feature("gated_newer")
     assert newer["state"] == "not applicable" and newer["reason"] == "fakelib_xyz 2.5 outside >=3"
+
+
+def test_skip_outside_declaration_reads_the_features_own_requires(fake_distribution) -> None:  # type: ignore[no-untyped-def]
+    import pytest
+
+    from loongkit_core.feature import Category, Feature
+    from loongkit_core.testing import skip_outside_declaration
+
+    feature = Feature(name="needs_new_fakelib", env="LOONGKIT_NEEDS_NEW_FAKELIB", level=1, category=Category.OTHER,
+                      description="", requires=("fakelib_xyz>=2.0", "otherlib_xyz>=1.0"))
+    fake_distribution("fakelib_xyz", "2.1.0")
+    skip_outside_declaration(feature, "fakelib_xyz")  # inside: the test goes on; otherlib (absent) not asked
+    fake_distribution("fakelib_xyz", "1.5.0")
+    with pytest.raises(pytest.skip.Exception, match=r"needs_new_fakelib declares fakelib_xyz>=2.0: "
+                                                    r"fakelib_xyz 1.5.0 outside >=2.0 \(not applicable there\)"):
+        skip_outside_declaration(feature, "fakelib_xyz")
+    with pytest.raises(pytest.skip.Exception, match="otherlib_xyz not installed"):
+        skip_outside_declaration(feature, "OtherLib_XYZ")

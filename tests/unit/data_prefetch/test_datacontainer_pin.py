@@ -173,7 +173,12 @@ def test_feature_default_deactivate_restores_and_reapplies(monkeypatch: pytest.M
                          ("mmdet.datasets.builder", builder), ("mmdet.datasets", pkg)):
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.delitem(sys.modules, "mmdet.apis.train", raising=False)
-    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)  # pinning possible: the wrapper pins
+    # Pinning possible, so the wrapper pins: torch.accelerator from torch 2.6, torch.cuda before (as the wrapper reads).
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "is_available"):
+        monkeypatch.setattr(accelerator, "is_available", lambda: True)
+    else:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     pins = {"dist": False, "pin_memory": True}
 
     feature = plugin.feature("data_container")

@@ -14,10 +14,14 @@ from typing import Any
 import pytest
 import torch
 from loongkit_ops.compile import common
+from loongkit_ops.plugin import plugin as ops_plugin
 
 from loongkit_core import requirements
 from loongkit_core.feature import State
 from loongkit_core.runtime import Runtime
+from loongkit_core.testing import skip_outside_declaration
+
+OPS = {feature.name: feature for feature in ops_plugin.features}  # the declarations the tests skip by
 
 
 @pytest.fixture
@@ -125,6 +129,7 @@ RESNET_TARGET = "mmdet.models.backbones.resnet"
 
 
 def test_resnet_not_applicable_without_mmdet(runtime: Callable[..., Runtime]) -> None:
+    skip_outside_declaration(OPS["compile_resnet"], "torch")
     record = runtime(RESNET).records["compile_resnet"]
     assert record.state == State.NOT_APPLICABLE
     assert "mmdet" in record.reason
@@ -132,6 +137,7 @@ def test_resnet_not_applicable_without_mmdet(runtime: Callable[..., Runtime]) ->
 
 def test_resnet_not_applicable_outside_mmdet_range(runtime: Callable[..., Runtime],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    skip_outside_declaration(OPS["compile_resnet"], "torch")
     fake_versions(monkeypatch, mmdet="3.4.0")
     record = runtime(RESNET).records["compile_resnet"]
     assert record.state == State.NOT_APPLICABLE
@@ -154,6 +160,7 @@ def _compare(a: torch.nn.Module, b: torch.nn.Module, x: torch.Tensor) -> None:
 
 def test_resnet_stages_compiled_and_equal(runtime: Callable[..., Runtime], monkeypatch: pytest.MonkeyPatch,
                                           cheap_backend: None) -> None:
+    skip_outside_declaration(OPS["compile_resnet"], "torch")
     fake_versions(monkeypatch, mmdet="2.28.2")
     fake_module(monkeypatch, RESNET_TARGET, ResNet=ResNet)
     record = activated(runtime(RESNET), "compile_resnet", RESNET_TARGET)
@@ -182,6 +189,7 @@ def test_resnet_stages_compiled_and_equal(runtime: Callable[..., Runtime], monke
 
 def test_resnet_with_cp_stages_stay_eager(runtime: Callable[..., Runtime], monkeypatch: pytest.MonkeyPatch,
                                           cheap_backend: None) -> None:
+    skip_outside_declaration(OPS["compile_resnet"], "torch")
     fake_versions(monkeypatch, mmdet="3.3.0")
     fake_module(monkeypatch, RESNET_TARGET, ResNet=ResNet)
     record = activated(runtime(RESNET), "compile_resnet", RESNET_TARGET)
@@ -192,6 +200,7 @@ def test_resnet_with_cp_stages_stay_eager(runtime: Callable[..., Runtime], monke
 
 
 def test_resnet_broken_target(runtime: Callable[..., Runtime], monkeypatch: pytest.MonkeyPatch) -> None:
+    skip_outside_declaration(OPS["compile_resnet"], "torch")
     fake_versions(monkeypatch, mmdet="3.3.0")
     fake_module(monkeypatch, RESNET_TARGET)  # no ResNet class
     record = activated(runtime(RESNET), "compile_resnet", RESNET_TARGET)
@@ -201,6 +210,7 @@ def test_resnet_broken_target(runtime: Callable[..., Runtime], monkeypatch: pyte
 
 def test_resnet_deactivate_restores(runtime: Callable[..., Runtime], monkeypatch: pytest.MonkeyPatch,
                                     cheap_backend: None) -> None:
+    skip_outside_declaration(OPS["compile_resnet"], "torch")
     fake_versions(monkeypatch, mmdet="3.3.0")
     fake_module(monkeypatch, RESNET_TARGET, ResNet=ResNet)
     original = ResNet.__init__
@@ -217,6 +227,7 @@ LLAMA = "transformers.models.llama.modeling_llama"
 
 
 def test_openvla_llama_layers_compiled_equal(runtime: Callable[..., Runtime]) -> None:
+    skip_outside_declaration(OPS["openvla"], "torch")
     ml = pytest.importorskip(LLAMA)
     record = activated(runtime({"LOONGKIT_OPENVLA": "1"}), "openvla", LLAMA)
     assert record.state == State.APPLIED, record.reason
@@ -238,6 +249,7 @@ def test_openvla_llama_layers_compiled_equal(runtime: Callable[..., Runtime]) ->
 
 
 def test_openvla_broken_target(runtime: Callable[..., Runtime], monkeypatch: pytest.MonkeyPatch) -> None:
+    skip_outside_declaration(OPS["openvla"], "torch")
     fake_module(monkeypatch, "fake_llama_target")
     record = activated(runtime({"LOONGKIT_OPENVLA": "1"}), "openvla", "fake_llama_target")
     assert record.state == State.NOT_APPLICABLE
@@ -268,6 +280,7 @@ class PI0Pytorch(torch.nn.Module):
 
 def test_pi0_forward_compiled_equal(runtime: Callable[..., Runtime], monkeypatch: pytest.MonkeyPatch,
                                     cheap_backend: None) -> None:
+    skip_outside_declaration(OPS["compile_pi0pytorch"], "torch")
     fake_module(monkeypatch, PI0_TARGET, PI0Pytorch=PI0Pytorch)
     record = activated(runtime({"LOONGKIT_COMPILE_PI0PYTORCH": "1"}), "compile_pi0pytorch", PI0_TARGET)
     assert record.state == State.APPLIED, record.reason
@@ -315,6 +328,7 @@ class OpenpiPI0Pytorch(torch.nn.Module):
 def test_pi0_openpi_forward_compiled_beside_its_own_switch(runtime: Callable[..., Runtime],
                                                           monkeypatch: pytest.MonkeyPatch,
                                                           cheap_backend: None) -> None:
+    skip_outside_declaration(OPS["compile_pi0pytorch"], "torch")
     fake_module(monkeypatch, OPENPI_TARGET, PI0Pytorch=OpenpiPI0Pytorch)
     record = activated(runtime({"LOONGKIT_COMPILE_PI0PYTORCH": "1"}), "compile_pi0pytorch", OPENPI_TARGET)
     model = OpenpiPI0Pytorch(types.SimpleNamespace(pytorch_compile_mode="default"))
@@ -327,6 +341,7 @@ def test_pi0_openpi_forward_compiled_beside_its_own_switch(runtime: Callable[...
 
 def test_pi0_deactivate_restores_forward(runtime: Callable[..., Runtime], monkeypatch: pytest.MonkeyPatch,
                                         cheap_backend: None) -> None:
+    skip_outside_declaration(OPS["compile_pi0pytorch"], "torch")
     fake_module(monkeypatch, PI0_TARGET, PI0Pytorch=PI0Pytorch)
     original = PI0Pytorch.__dict__["forward"]
     rt = runtime({"LOONGKIT_COMPILE_PI0PYTORCH": "1"})
@@ -347,6 +362,7 @@ def test_pi0_not_applicable_on_old_torch(runtime: Callable[..., Runtime], monkey
 
 
 def test_pi0_broken_target(runtime: Callable[..., Runtime], monkeypatch: pytest.MonkeyPatch) -> None:
+    skip_outside_declaration(OPS["compile_pi0pytorch"], "torch")
     fake_module(monkeypatch, PI0_TARGET, PI0Pytorch=object)
     record = activated(runtime({"LOONGKIT_COMPILE_PI0PYTORCH": "1"}), "compile_pi0pytorch", PI0_TARGET)
     assert record.state == State.NOT_APPLICABLE

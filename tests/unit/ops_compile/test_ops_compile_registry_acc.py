@@ -14,10 +14,14 @@ from typing import Any
 import pytest
 import torch
 from loongkit_ops.compile import common
+from loongkit_ops.plugin import plugin as ops_plugin
 
 from loongkit_core import requirements
 from loongkit_core.feature import State
 from loongkit_core.runtime import Runtime
+from loongkit_core.testing import skip_outside_declaration
+
+OPS = {feature.name: feature for feature in ops_plugin.features}  # the declarations the tests skip by
 
 
 @pytest.fixture
@@ -130,12 +134,14 @@ def collision_loss_class() -> type:
 
 
 def test_mmdet_modules_not_applicable_without_mmdet2(runtime: Callable[..., Runtime]) -> None:
+    skip_outside_declaration(OPS["mmdet_modules"], "torch")
     record = runtime(MMDET).records["mmdet_modules"]
     assert record.state == State.NOT_APPLICABLE and "mmdet" in record.reason
 
 
 def test_mmdet_modules_compiles_filtered_registrations(runtime: Callable[..., Runtime],
                                                        mmdet2: types.ModuleType) -> None:
+    skip_outside_declaration(OPS["mmdet_modules"], "torch")
     mmdet2.MODELS.register_module(module=Before, name="Before")  # registered before activation
     rt = runtime({**MMDET, "LOONGKIT_COMPILE_MMDET_MODULES_FILTER": "CollisionLoss, Before"})
     record = rt.records["mmdet_modules"]
@@ -168,6 +174,7 @@ def test_mmdet_modules_compiles_filtered_registrations(runtime: Callable[..., Ru
 
 def test_mmdet_modules_bad_filter_uses_default(runtime: Callable[..., Runtime], mmdet2: types.ModuleType,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    skip_outside_declaration(OPS["mmdet_modules"], "torch")
     from loongkit_ops.compile.mmdet_modules import MMDetModulesOptions
 
     from loongkit_core.settings import load_settings
@@ -184,6 +191,7 @@ def test_mmdet_modules_bad_filter_uses_default(runtime: Callable[..., Runtime], 
 
 
 def test_mmdet_modules_broken_target(runtime: Callable[..., Runtime], mmdet2: types.ModuleType) -> None:
+    skip_outside_declaration(OPS["mmdet_modules"], "torch")
     mmdet2.MODELS = object()  # type: ignore[attr-defined]
     rt = runtime(MMDET)
     record = rt.records["mmdet_modules"]

@@ -1,4 +1,5 @@
-"""LOONGKIT_ALLOW_TF32 on the real torch 2.13 API, the legacy (<2.9) branch, and end to end."""
+"""LOONGKIT_ALLOW_TF32 on the installed torch's real API (fp32_precision from 2.9, the legacy allow_tf32 flags
+before), the legacy branch with a stand-in too, and end to end."""
 
 from __future__ import annotations
 
@@ -14,18 +15,28 @@ from loongkit_precision import tf32
 torch = pytest.importorskip("torch")
 
 
+NEW_API = tf32.new_api(torch.backends)
+# Each API is tested for real where the installed torch has it (the compat rows run the older ones).
+needs_new_api = pytest.mark.skipif(not NEW_API, reason=f"torch {torch.__version__} has no fp32_precision API "
+                                   "(torch >= 2.9): its legacy allow_tf32 flags are tested instead")
+needs_legacy_api = pytest.mark.skipif(NEW_API, reason=f"torch {torch.__version__} has the fp32_precision API: "
+                                      "the legacy flags are tested for real on torch < 2.9 (nox -s compat-torch2.4)")
+
+
 # -- the torch >= 2.9 fp32_precision API, for real, in a fresh interpreter (process-global state) --------
 def _python(code: str) -> str:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return out.stdout.strip()
 
 
+@needs_new_api
 def test_new_api_detected_by_attribute() -> None:
     assert tf32.new_api(torch.backends)
     legacy = SimpleNamespace(cuda=SimpleNamespace(matmul=SimpleNamespace(allow_tf32=False)))
     assert not tf32.new_api(legacy)
 
 
+@needs_new_api
 def test_new_api_sets_tf32_and_never_touches_legacy_flags() -> None:
     out = _python(
         "import torch; from loongkit_precision import tf32\n"
@@ -36,6 +47,7 @@ def test_new_api_sets_tf32_and_never_touches_legacy_flags() -> None:
     assert out == "{'matmul': 'tf32', 'conv': 'tf32', 'rnn': 'tf32'} {} tf32 tf32 tf32"
 
 
+@needs_new_api
 @pytest.mark.parametrize(("setup", "expected_kept"), [
     ("torch.backends.cuda.matmul.fp32_precision = 'ieee'", {"matmul": "ieee"}),
     ("torch.backends.cudnn.conv.fp32_precision = 'ieee'", {"conv": "ieee"}),
@@ -50,6 +62,7 @@ def test_user_choice_is_kept(setup: str, expected_kept: dict[str, str]) -> None:
         assert kept[key] == value
 
 
+@needs_new_api
 def test_deactivate_restores_exact_values() -> None:
     out = _python(
         "import torch\n"
@@ -79,6 +92,7 @@ def _switches() -> tuple[str, str, str]:
     return b.cuda.matmul.fp32_precision, b.cudnn.conv.fp32_precision, b.cudnn.rnn.fp32_precision
 
 
+@needs_new_api
 @pytest.mark.parametrize("cuda", [False, True])
 def test_default_deactivate_restores_and_reapplies(loongkit_runtime, monkeypatch: pytest.MonkeyPatch,
                                                    cuda: bool) -> None:  # type: ignore[no-untyped-def]
@@ -120,6 +134,29 @@ def _legacy_backends(matmul: bool = False, cudnn: bool = True) -> SimpleNamespac
                            cudnn=SimpleNamespace(allow_tf32=cudnn))
 
 
+@needs_legacy_api
+def test_legacy_flags_set_and_restored_on_real_torch() -> None:
+    out = _python(
+        "import torch, structlog\n"
+        "from loongkit_core.context import ActivationContext\n"
+        "from loongkit_core.feature import Category, Feature, FeatureRecord\n"
+        "from loongkit_precision.tf32 import AllowTF32\n"
+        "b = torch.backends\n"
+        "b.cuda.matmul.allow_tf32 = False\n"  # torch's default since 1.12, set explicitly for the check
+        "before = (b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32)\n"
+        "f = Feature(name='allow_tf32', env='LOONGKIT_ALLOW_TF32', level=1, category=Category.PRECISION,\n"
+        "            description='')\n"
+        "rec = FeatureRecord(f)\n"
+        "ctx = ActivationContext(rec, None, structlog.get_logger(), lambda m, cb: None)\n"
+        "impl = AllowTF32(f); impl.activate(ctx, 'torch')\n"
+        "during = (b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32)\n"
+        "impl.deactivate(ctx)\n"
+        "after = (b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32)\n"
+        "print(during, before == after, rec.config, rec.details['api'])"
+    ).splitlines()[-1]
+    assert out == "(True, True) True {'matmul': 'tf32', 'cudnn': 'tf32'} allow_tf32 (legacy)"
+
+
 def test_legacy_sets_both_switches() -> None:
     backends = _legacy_backends()
     assert not tf32.new_api(backends)
@@ -143,12 +180,15 @@ def test_summary_row_on_cpu(run_loongkit) -> None:  # type: ignore[no-untyped-de
     r = run_loongkit(CODE, {"LOONGKIT_ALLOW_TF32": "1"})
     assert r.returncode == 0, r.stderr and "ok True" in r.stdout
     row = r.feature("allow_tf32")
-    assert row["config"] == {"matmul": "tf32", "cudnn": "tf32", "cudnn_rnn": "tf32"}
+    if NEW_API:
+        config, api = {"matmul": "tf32", "cudnn": "tf32", "cudnn_rnn": "tf32"}, "fp32_precision"
+    else:
+        config, api = {"matmul": "tf32", "cudnn": "tf32"}, "allow_tf32 (legacy)"
+    assert row["config"] == config
     assert not row["active"] and row["reason"] == "no CUDA device"
-    assert row["details"]["api"] == "fp32_precision"
+    assert row["details"]["api"] == api
     # No training step and nothing ran: the Summary is in the log (stdout keeps the program's output).
-    assert "allow_tf32                       {'matmul': 'tf32', 'cudnn': 'tf32', 'cudnn_rnn': 'tf32'}  " \
-           "[no CUDA device]" in r.logs()
+    assert f"allow_tf32                       {config}  [no CUDA device]" in r.logs()
 
 
 def test_under_loongkit_run(run_loongkit) -> None:  # type: ignore[no-untyped-def]
@@ -158,6 +198,7 @@ def test_under_loongkit_run(run_loongkit) -> None:  # type: ignore[no-untyped-de
     assert r.feature("allow_tf32")["state"] == "applied" and r.summaries_printed == 1
 
 
+@needs_new_api
 def test_users_ieee_kept_with_import_all(run_loongkit) -> None:  # type: ignore[no-untyped-def]
     code = ("import os, torch\ntorch.backends.cuda.matmul.fp32_precision = 'ieee'\n"
             "os.environ['LOONGKIT_ALLOW_TF32'] = '1'\nimport loongkit_core.all\n"

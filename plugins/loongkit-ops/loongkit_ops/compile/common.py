@@ -173,7 +173,10 @@ class Compiler:
         if compiled is None:
             code = entry.__code__
             tag = "".join(c if c.isalnum() else "_" for c in group)
-            fresh = code.replace(co_name=f"loongkit_{tag}", co_qualname=f"loongkit_{tag}")  # own dynamo cache
+            names = {"co_name": f"loongkit_{tag}"}  # its own code object: its own dynamo cache
+            if hasattr(code, "co_qualname"):  # Python 3.11+; 3.10's code objects have no qualname
+                names["co_qualname"] = names["co_name"]
+            fresh = code.replace(**names)
             fn = types.FunctionType(fresh, entry.__globals__, fresh.co_name, None, entry.__closure__)
             compiled = self._groups[key] = self.torch.compile(fn, **self.kwargs)
         return compiled
