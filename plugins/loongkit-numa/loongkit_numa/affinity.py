@@ -174,7 +174,8 @@ def visible_gpus(hw: Hardware, options: NumaAffinityOptions, environ: Mapping[st
     """The GPU of each local rank (device index = local rank) and how that was found (``log``: the
     feature's ctx.log).
 
-    Raises NotApplicable when this torch cannot say and ALLOW_INDEX is off.
+    Raises NotApplicable when this torch cannot say, ALLOW_INDEX is off and there is a GPU to identify
+    (with none, the plan's own reason, "no GPU found", is the one to give, as the feature's detect gives it).
     """
     version = _torch_version()
     if use_torch is None:
@@ -201,12 +202,15 @@ def visible_gpus(hw: Hardware, options: NumaAffinityOptions, environ: Mapping[st
                 gpus = [only if r == local_rank else None for r in range(local_world_size)]
                 source += "; one GPU visible per process"
             return gpus, source
-    if version is not None and version < MIN_TORCH_PCI and not options.allow_index:
+    old_torch = version if version is not None and version < MIN_TORCH_PCI else None
+    if old_torch is not None and not options.allow_index and hw.accelerators:
         raise NotApplicable(
-            f"torch {version[0]}.{version[1]} cannot report the GPU's PCI address (needs torch >= 2.5); "
+            f"torch {old_torch[0]}.{old_torch[1]} cannot report the GPU's PCI address (needs torch >= 2.5); "
             "set LOONGKIT_NUMA_AFFINITY_ALLOW_INDEX=1 to bind by index order (and leave CUDA_VISIBLE_DEVICES unset)")
-    why = "LOONGKIT_NUMA_AFFINITY_ALLOW_INDEX=1" if version is not None and version < MIN_TORCH_PCI \
-        else "no CUDA device visible to torch in this process"
+    if old_torch is not None:
+        why = "LOONGKIT_NUMA_AFFINITY_ALLOW_INDEX=1" if options.allow_index else "no GPU to identify"
+    else:
+        why = "no CUDA device visible to torch in this process"
     source = f"index order: local rank N uses the N-th GPU in PCI order ({why})"
     if environ.get("CUDA_VISIBLE_DEVICES") is not None:
         source += "; CUDA_VISIBLE_DEVICES is ignored in index order and may make the binding wrong"

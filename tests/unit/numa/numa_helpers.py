@@ -68,6 +68,41 @@ def make_ctx(env: Environment, config: object = None) -> tuple[ActivationContext
     return ctx, logger
 
 
+def torch_without_gpu_pci() -> tuple[int, int] | None:
+    """This torch's (major, minor) when it cannot report a GPU's PCI address, else None.
+
+    The numa_affinity feature's own check (``affinity._torch_version() < affinity.MIN_TORCH_PCI``):
+    there, without LOONGKIT_NUMA_AFFINITY_ALLOW_INDEX=1, a node with GPUs gets no plan.
+    """
+    from loongkit_numa import affinity
+
+    version = affinity._torch_version()
+    return version if version is not None and version < affinity.MIN_TORCH_PCI else None
+
+
+def needs_pci_torch() -> None:
+    """Skip a test that needs the plan to find its GPUs without LOONGKIT_NUMA_AFFINITY_ALLOW_INDEX, on a
+    torch that cannot report a GPU's PCI address (test_old_torch_* check the reason given there)."""
+    from loongkit_numa import affinity
+
+    version = torch_without_gpu_pci()
+    if version is not None:
+        needed = ".".join(map(str, affinity.MIN_TORCH_PCI))
+        pytest.skip(f"torch {version[0]}.{version[1]} < {needed}: no GPU PCI address, NUMA affinity not applicable "
+                    "without LOONGKIT_NUMA_AFFINITY_ALLOW_INDEX=1")
+
+
+def gpus_by_index() -> dict[str, str]:
+    """The environment that lets a plan find its GPUs on this torch, for tests about what the plan does
+    with them (rules, rendering, cgroups), not about where the GPU identity comes from.
+
+    On torch < 2.5: LOONGKIT_NUMA_AFFINITY_ALLOW_INDEX=1, the documented fallback (local rank N uses the
+    N-th GPU in PCI order). On newer torch: nothing, so those tests run exactly as written; the GPUs are
+    in index order there too (a fake sysfs root, or no CUDA device visible to torch).
+    """
+    return {"LOONGKIT_NUMA_AFFINITY_ALLOW_INDEX": "1"} if torch_without_gpu_pci() else {}
+
+
 def require_cpus_0_1() -> None:
     if not {0, 1} <= set(os.sched_getaffinity(0)):
         pytest.skip("needs CPUs 0 and 1 in this process's mask")

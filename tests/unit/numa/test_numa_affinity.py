@@ -26,7 +26,16 @@ from loongkit_numa.affinity import (
     visible_gpus,
 )
 from loongkit_numa.options import NumaAffinityOptions
-from numa_helpers import make_ctx, make_env, numa_feature, require_cpus_0_1, run_forked
+from numa_helpers import (
+    gpus_by_index,
+    make_ctx,
+    make_env,
+    needs_pci_torch,
+    numa_feature,
+    require_cpus_0_1,
+    run_forked,
+    torch_without_gpu_pci,
+)
 
 from loongkit_core.context import NotApplicable
 from loongkit_core.hardware import detect, format_cpulist
@@ -44,15 +53,6 @@ def _clean_handoff(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
 
-def needs_pci_torch() -> None:
-    """Skip on torch < 2.5: it cannot report a GPU's PCI address, so the feature is not applicable there
-    unless LOONGKIT_NUMA_AFFINITY_ALLOW_INDEX=1 (test_old_torch_needs_allow_index checks that reason)."""
-    version = affinity._torch_version()
-    if version is not None and version < affinity.MIN_TORCH_PCI:
-        pytest.skip(f"torch {version[0]}.{version[1]} < 2.5: no GPU PCI address, NUMA affinity not applicable "
-                    "without LOONGKIT_NUMA_AFFINITY_ALLOW_INDEX=1")
-
-
 def options_for(environ: dict[str, str]) -> NumaAffinityOptions:
     return load_settings(NumaAffinityOptions, environ=environ)[0]
 
@@ -68,11 +68,10 @@ def fake_workers_module(monkeypatch: pytest.MonkeyPatch) -> list:
 
 
 def test_trainer_binds_rank_and_restores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    needs_pci_torch()
     require_cpus_0_1()
     two_cpu_two_node(tmp_path)
     registered = fake_workers_module(monkeypatch)
-    env = make_env(str(tmp_path), local_rank=1, local_world_size=2)
+    env = make_env(str(tmp_path), gpus_by_index(), local_rank=1, local_world_size=2)
     impl = NumaAffinity(numa_feature())
     options, warnings = impl.configure(env, None)
     assert warnings == []
@@ -100,15 +99,14 @@ def test_trainer_binds_rank_and_restores(tmp_path: Path, monkeypatch: pytest.Mon
     # NUMA 1 does not exist on this machine: the memory policy is skipped with a reason, not an error.
     assert out["details"]["memory"].startswith("skipped: set_mempolicy(MPOL_PREFERRED, node 1) failed")
     assert "memory binding skipped" in out["log"] and "bound to CPUs 1" in out["log"]
-    assert out["config"] == {"allow_asymmetric": False, "allow_index": False}
+    assert out["config"] == {"allow_asymmetric": False, "allow_index": bool(gpus_by_index())}
     assert out["env_after"] is None
 
 
 def test_trainer_prefers_its_memory_node(tmp_path: Path) -> None:
-    needs_pci_torch()
     require_cpus_0_1()
     two_cpu_two_node(tmp_path)
-    env = make_env(str(tmp_path), local_rank=0, local_world_size=2)
+    env = make_env(str(tmp_path), gpus_by_index(), local_rank=0, local_world_size=2)
     impl = NumaAffinity(numa_feature())
     ctx, _ = make_ctx(env, impl.configure(env, None)[0])
 
@@ -129,12 +127,11 @@ def test_trainer_prefers_its_memory_node(tmp_path: Path) -> None:
 def test_default_deactivate_restores_and_reapplies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No deactivate of its own: ctx.patcher.undo() puts back the CPU mask, the memory policy and the
     workers' plan (a value that was there before comes back); activating again binds again."""
-    needs_pci_torch()
     require_cpus_0_1()
     two_cpu_two_node(tmp_path)
     fake_workers_module(monkeypatch)
     monkeypatch.setenv(WORKER_PLAN_ENV, "an older plan")
-    env = make_env(str(tmp_path), local_rank=0, local_world_size=2)
+    env = make_env(str(tmp_path), gpus_by_index(), local_rank=0, local_world_size=2)
     impl = NumaAffinity(numa_feature())
     ctx, _ = make_ctx(env, impl.configure(env, None)[0])
 
@@ -190,11 +187,10 @@ def test_worker_without_handoff_is_not_applicable(tmp_path: Path) -> None:
 
 def test_asymmetric_data_worker_moves_to_the_gpuless_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Trainer on CPU 0 (GPU node), its forked DataLoader worker on CPU 1 (GPU-less node), per the plan."""
-    needs_pci_torch()
     require_cpus_0_1()
     write_topology(tmp_path, nodes=2, cores_per_node=1, smt=1, gpus_per_node=(1, 0))
     registered = fake_workers_module(monkeypatch)
-    env = make_env(str(tmp_path), ASYM, local_rank=0, local_world_size=1)
+    env = make_env(str(tmp_path), {**ASYM, **gpus_by_index()}, local_rank=0, local_world_size=1)
     impl = NumaAffinity(numa_feature())
     ctx, _ = make_ctx(env, impl.configure(env, None)[0])
 
@@ -233,11 +229,10 @@ def test_on_data_worker_start_never_raises(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_missing_workers_module_is_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    needs_pci_torch()
     require_cpus_0_1()
     two_cpu_two_node(tmp_path)
     monkeypatch.setitem(sys.modules, "loongkit_core.workers", None)  # import fails
-    env = make_env(str(tmp_path), local_rank=0, local_world_size=2)
+    env = make_env(str(tmp_path), gpus_by_index(), local_rank=0, local_world_size=2)
     impl = NumaAffinity(numa_feature())
     ctx, log = make_ctx(env, impl.configure(env, None)[0])
     out = run_forked(lambda: (impl.activate(ctx, None), sorted(os.sched_getaffinity(0)), log.text())[1:])
@@ -245,9 +240,8 @@ def test_missing_workers_module_is_a_warning(tmp_path: Path, monkeypatch: pytest
 
 
 def test_planned_cpus_outside_this_process_are_not_applicable(tmp_path: Path) -> None:
-    needs_pci_torch()
     intel_2s_8gpu(tmp_path)  # rank 4 belongs on CPUs 8-15,24-31, which this machine lacks
-    env = make_env(str(tmp_path), local_rank=4, local_world_size=8)
+    env = make_env(str(tmp_path), gpus_by_index(), local_rank=4, local_world_size=8)
     impl = NumaAffinity(numa_feature())
     ctx, _ = make_ctx(env, impl.configure(env, None)[0])
     with pytest.raises(NotApplicable, match="outside this process's CPUs"):
@@ -256,9 +250,8 @@ def test_planned_cpus_outside_this_process_are_not_applicable(tmp_path: Path) ->
 
 
 def test_unbound_plan_reason_becomes_not_applicable(tmp_path: Path) -> None:
-    needs_pci_torch()
     write_topology(tmp_path, nodes=2, cores_per_node=1, smt=1, gpus_per_node=(1, 0))  # asymmetric
-    env = make_env(str(tmp_path), local_rank=0, local_world_size=1)
+    env = make_env(str(tmp_path), gpus_by_index(), local_rank=0, local_world_size=1)
     impl = NumaAffinity(numa_feature())
     ctx, _ = make_ctx(env, impl.configure(env, None)[0])
     with pytest.raises(NotApplicable, match="ALLOW_ASYMMETRIC=1"):
@@ -293,6 +286,55 @@ def test_old_torch_needs_allow_index(tmp_path: Path, monkeypatch: pytest.MonkeyP
                                 {"CUDA_VISIBLE_DEVICES": "3,2"}, local_world_size=8, use_torch=False)
     assert gpus == list(hw.accelerators)
     assert "LOONGKIT_NUMA_AFFINITY_ALLOW_INDEX=1" in source and "CUDA_VISIBLE_DEVICES is ignored" in source
+
+
+def test_old_torch_feature_not_applicable_then_allow_index_binds(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the feature, on a torch that cannot report PCI addresses (this one, or one made to look so):
+    not applicable with the reason; LOONGKIT_NUMA_AFFINITY_ALLOW_INDEX=1 binds rank N by index order."""
+    require_cpus_0_1()
+    two_cpu_two_node(tmp_path)
+    old = torch_without_gpu_pci() or (2, 4)
+    monkeypatch.setattr(affinity, "_torch_version", lambda: old)
+    fake_workers_module(monkeypatch)
+
+    def activate(environ: dict[str, str]) -> dict:
+        env = make_env(str(tmp_path), environ, local_rank=1, local_world_size=2)
+        impl = NumaAffinity(numa_feature())
+        ctx, _ = make_ctx(env, impl.configure(env, None)[0])
+
+        def child() -> dict:
+            try:
+                impl.activate(ctx, None)
+            except NotApplicable as exc:
+                return {"not_applicable": str(exc), "calls": ctx.record.calls}
+            return {"cpus": sorted(os.sched_getaffinity(0)), "details": ctx.record.details,
+                    "config": ctx.record.config}
+
+        return run_forked(child)
+
+    refused = activate({})
+    assert refused["calls"] == 0
+    assert refused["not_applicable"] == (
+        f"torch {old[0]}.{old[1]} cannot report the GPU's PCI address (needs torch >= 2.5); set "
+        "LOONGKIT_NUMA_AFFINITY_ALLOW_INDEX=1 to bind by index order (and leave CUDA_VISIBLE_DEVICES unset)")
+    bound = activate({"LOONGKIT_NUMA_AFFINITY_ALLOW_INDEX": "1"})
+    assert bound["cpus"] == [1] and bound["details"]["plan"]["training_cpus"] == "1"
+    assert bound["details"]["gpu_source"] == (
+        "index order: local rank N uses the N-th GPU in PCI order (LOONGKIT_NUMA_AFFINITY_ALLOW_INDEX=1)")
+    assert bound["config"]["allow_index"] is True
+
+
+def test_old_torch_without_gpus_says_no_gpu_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GPU to identify: the plan (``loongkit numa plan``) gives the reason the feature's detect gives,
+    not torch's version and an ALLOW_INDEX that would change nothing."""
+    write_topology(tmp_path, gpus_per_node=(0, 0))
+    hw = detect(str(tmp_path))
+    monkeypatch.setattr(affinity, "_torch_version", lambda: (2, 4))
+    assert visible_gpus(hw, options_for({}), {}, local_world_size=2, use_torch=False)[0] == []
+    plan = plan_for_node(hw, options_for({}), {}, local_world_size=2, use_torch=False)
+    assert all(not r.bound and r.why.startswith("no GPU found under") for r in plan.ranks)
+    assert "torch" not in plan.gpu_source
 
 
 def test_torch_pci_addresses_honour_device_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -354,12 +396,11 @@ def test_set_and_reset_memory_policy_in_child() -> None:
 
 def test_cpulist_of_handoff_matches_plan(tmp_path: Path) -> None:
     """The data CPUs a worker receives are the plan's data CPUs within the trainer's original mask."""
-    needs_pci_torch()
     require_cpus_0_1()
     two_cpu_two_node(tmp_path)
-    env = make_env(str(tmp_path), local_rank=1, local_world_size=2)
+    env = make_env(str(tmp_path), gpus_by_index(), local_rank=1, local_world_size=2)
     impl = NumaAffinity(numa_feature())
     ctx, _ = make_ctx(env, impl.configure(env, None)[0])
     out = run_forked(lambda: (impl.activate(ctx, None), os.environ[WORKER_PLAN_ENV])[1])
-    plan = plan_for_node(env.hardware, options_for({}), {}, local_world_size=2, use_torch=False)
+    plan = plan_for_node(env.hardware, options_for(gpus_by_index()), {}, local_world_size=2, use_torch=False)
     assert json.loads(out)["cpus"] == format_cpulist(plan.rank(1).data_cpus or ())

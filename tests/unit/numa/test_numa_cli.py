@@ -13,7 +13,7 @@ import pytest
 from loongkit_numa.affinity import WORKER_PLAN_ENV, NumaAffinity
 from loongkit_numa.cli import main
 from loongkit_numa.plugin import plugin
-from numa_helpers import make_ctx, make_env, numa_feature, require_cpus_0_1, run_forked
+from numa_helpers import gpus_by_index, make_ctx, make_env, numa_feature, require_cpus_0_1, run_forked
 
 from loongkit_core.testing.topology import amd_2s_8gpu, asymmetric_4node, intel_2s_8gpu, narrowed_container
 
@@ -23,6 +23,16 @@ def _no_numa_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith(("LOONGKIT_", "_LOONGKIT_")) or name in ("LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES"):
             monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def plan_finds_gpus(_no_numa_env: None, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """For tests of the plan's rules and rendering: on torch < 2.5 the documented index fallback (what a
+    fake sysfs root gets on newer torch anyway), on newer torch nothing. Returns what it set."""
+    environ = gpus_by_index()
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    return environ
 
 
 def plan_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
@@ -45,6 +55,7 @@ def table(lines: list[str]) -> list[list[str]]:
     return rows
 
 
+@pytest.mark.usefixtures("plan_finds_gpus")
 def test_intel_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     topo = intel_2s_8gpu(tmp_path)
     doc = plan_json(capsys, "--sysfs-root", str(tmp_path))
@@ -55,6 +66,7 @@ def test_intel_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         (i, topo.gpus[i].pci, i // 4, topo.cpulist(i // 4), topo.cpulist(i // 4), i // 4, "node") for i in range(8)]
 
 
+@pytest.mark.usefixtures("plan_finds_gpus")
 def test_intel_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     intel_2s_8gpu(tmp_path)
     lines = plan_text(capsys, "--sysfs-root", str(tmp_path), "--nproc-per-node", "2")
@@ -68,6 +80,7 @@ def test_intel_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "rank 1: symmetric: NUMA 0 of GPU 0000:28:00.0" in lines
 
 
+@pytest.mark.usefixtures("plan_finds_gpus")
 def test_amd_llc_by_policy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     amd_2s_8gpu(tmp_path)
     lines = plan_text(capsys, "--sysfs-root", str(tmp_path))
@@ -78,6 +91,7 @@ def test_amd_llc_by_policy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert {r[7] for r in rows} == {"node+llc"}
 
 
+@pytest.mark.usefixtures("plan_finds_gpus")
 def test_amd_explicit_off_wins_over_policy(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     topo = amd_2s_8gpu(tmp_path)
@@ -86,6 +100,7 @@ def test_amd_explicit_off_wins_over_policy(tmp_path: Path, capsys: pytest.Captur
     assert doc["ranks"][0]["training_cpus"] == topo.cpulist(0) and doc["ranks"][0]["rule"] == "node"
 
 
+@pytest.mark.usefixtures("plan_finds_gpus")
 def test_asymmetric_unbound_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     asymmetric_4node(tmp_path)
     lines = plan_text(capsys, "--sysfs-root", str(tmp_path))
@@ -93,6 +108,7 @@ def test_asymmetric_unbound_text(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert any(line.startswith("all ranks: asymmetric") and "ALLOW_ASYMMETRIC=1" in line for line in lines)
 
 
+@pytest.mark.usefixtures("plan_finds_gpus")
 def test_asymmetric_row6_json(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                               monkeypatch: pytest.MonkeyPatch) -> None:
     topo = asymmetric_4node(tmp_path)
@@ -105,6 +121,7 @@ def test_asymmetric_row6_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert (gpu2["memory_node"], gpu2["data_memory_node"]) == (2, 3)
 
 
+@pytest.mark.usefixtures("plan_finds_gpus")
 def test_narrowed_container_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     narrowed_container(tmp_path)
     lines = plan_text(capsys, "--sysfs-root", str(tmp_path))
@@ -113,6 +130,7 @@ def test_narrowed_container_text(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert [r[3] for r in rows] == ["4-7,20-23"] * 4 + ["8-11,24-27"] * 4
 
 
+@pytest.mark.usefixtures("plan_finds_gpus")
 def test_bad_option_warns_and_plans(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                     monkeypatch: pytest.MonkeyPatch) -> None:
     intel_2s_8gpu(tmp_path)
@@ -123,6 +141,19 @@ def test_bad_option_warns_and_plans(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "0000:18:00.0" in captured.out
 
 
+def test_old_torch_plan_says_why(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """On torch < 2.5 (made to look so here) GPUs cannot be identified: every rank unbound, with the remedy."""
+    from loongkit_numa import affinity
+
+    intel_2s_8gpu(tmp_path)
+    monkeypatch.setattr(affinity, "_torch_version", lambda: (2, 4))
+    lines = plan_text(capsys, "--sysfs-root", str(tmp_path), "--nproc-per-node", "2")
+    assert [r[1:] for r in table(lines)] == [["-", "-", "unchanged", "unchanged", "-", "-", "unbound"]] * 2
+    assert "all ranks: torch 2.4 cannot report the GPU's PCI address (needs torch >= 2.5); set " \
+           "LOONGKIT_NUMA_AFFINITY_ALLOW_INDEX=1 to bind by index order (and leave CUDA_VISIBLE_DEVICES unset)" in lines
+
+
 def test_nproc_from_local_world_size_and_validation(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     intel_2s_8gpu(tmp_path)
@@ -131,6 +162,7 @@ def test_nproc_from_local_world_size_and_validation(tmp_path: Path, capsys: pyte
     assert main(["plan", "--sysfs-root", str(tmp_path), "--nproc-per-node", "0"]) == 2
 
 
+@pytest.mark.usefixtures("plan_finds_gpus")
 def test_through_the_plugin_cli_hook(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """As the core's ``loongkit`` command wires it: subcommands from the hook, then ``args.func(args)``."""
     intel_2s_8gpu(tmp_path)
@@ -158,14 +190,15 @@ def test_real_machine_plan_says_why(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_feature_applies_exactly_what_plan_prints(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  plan_finds_gpus: dict[str, str]) -> None:
     from loongkit_core.testing.topology import two_cpu_two_node
 
     require_cpus_0_1()
     two_cpu_two_node(tmp_path)
     printed = plan_json(capsys, "--sysfs-root", str(tmp_path), "--nproc-per-node", "2")["ranks"]
     for rank in (0, 1):
-        env = make_env(str(tmp_path), local_rank=rank, local_world_size=2)
+        env = make_env(str(tmp_path), plan_finds_gpus, local_rank=rank, local_world_size=2)
         impl = NumaAffinity(numa_feature())
         ctx, _ = make_ctx(env, impl.configure(env, None)[0])
 

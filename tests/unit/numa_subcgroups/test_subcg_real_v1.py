@@ -3,7 +3,8 @@
 The NUMA topology is a fake sysfs (``LOONGKIT_SYSFS_ROOT``: CPUs 0 and 1 as two nodes with GPUs),
 the cgroups are real (``LOONGKIT_SUBCGROUPS_CGROUP_ROOT=/``). Each run creates
 ``loongkit-<pid>-rank<r>-{train,data}`` under this process's cpuset group, moves the trainer and its
-fork and spawn DataLoader workers in, and must leave nothing behind.
+fork and spawn DataLoader workers in, and must leave nothing behind. On torch < 2.5 the plan finds the
+GPUs by index order (``gpus_by_index``): these tests are about the groups, not the GPUs' identity.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 from loongkit_numa.cgroup_tree import Hierarchy, locate
+from numa_helpers import gpus_by_index
 
 from loongkit_core.testing import free_port
 from loongkit_core.testing.topology import two_cpu_two_node, write_topology
@@ -107,7 +109,7 @@ def test_trainer_and_its_fork_and_spawn_workers_in_real_groups(tmp_path: Path, r
     out = tmp_path / "out.json"
     r = run_loongkit(argv=[sys.executable, str(script), cpuset_v1.own_dir, str(out)], cwd=str(tmp_path), env={
         "LOONGKIT_SUBCGROUPS": "1", "LOONGKIT_SYSFS_ROOT": str(sysroot), "LOONGKIT_SUBCGROUPS_CGROUP_ROOT": "/",
-        "LOONGKIT_LOGLEVEL": "info", **ASYM}, timeout=240)
+        "LOONGKIT_LOGLEVEL": "info", **ASYM, **gpus_by_index()}, timeout=240)
     assert r.returncode == 0, r.stderr
     got = json.loads(Path(f"{out}.0").read_text())
     pid = got["pid"]
@@ -141,7 +143,8 @@ def test_torchrun_two_ranks_each_in_its_node_group(tmp_path: Path, run_loongkit:
     argv = [torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), "--rdzv-id", "lkjob", str(script),
             cpuset_v1.own_dir, str(out)]
     r = run_loongkit(argv=argv, cwd=str(tmp_path), timeout=300, env={
-        "LOONGKIT_SUBCGROUPS": "1", "LOONGKIT_SYSFS_ROOT": str(sysroot), "LOONGKIT_SUBCGROUPS_CGROUP_ROOT": "/"})
+        "LOONGKIT_SUBCGROUPS": "1", "LOONGKIT_SYSFS_ROOT": str(sysroot), "LOONGKIT_SUBCGROUPS_CGROUP_ROOT": "/",
+        **gpus_by_index()})
     assert r.returncode == 0, r.stderr
     base = "" if cpuset_v1.own_path == "/" else cpuset_v1.own_path
     for rank in (0, 1):
@@ -161,7 +164,7 @@ def test_numa_affinity_is_switched_off_and_groups_follow_its_plan(tmp_path: Path
             " sorted(os.sched_getaffinity(0)))")
     r = run_loongkit(code, env={"LOONGKIT_SUBCGROUPS": "1", "LOONGKIT_NUMA_AFFINITY": "1", "LOCAL_RANK": "1",
                                 "LOCAL_WORLD_SIZE": "2", "LOONGKIT_SYSFS_ROOT": str(sysroot),
-                                "LOONGKIT_SUBCGROUPS_CGROUP_ROOT": "/"})
+                                "LOONGKIT_SUBCGROUPS_CGROUP_ROOT": "/", **gpus_by_index()})
     assert r.returncode == 0, r.stderr
     numa = r.feature("numa_affinity")
     assert numa["state"] == "not applicable" and numa["reason"] == "switched off by LOONGKIT_SUBCGROUPS"

@@ -23,6 +23,7 @@ from loongkit_numa.subcgroups import (
     on_data_worker_start,
     remove,
 )
+from numa_helpers import gpus_by_index
 from subcg_helpers import make_ctx, write_v2_tree
 
 from loongkit_core.context import NotApplicable
@@ -105,7 +106,7 @@ def test_missing_or_garbled_files_give_reasons(tmp_path: Path, damage: str, reas
 def test_v1_read_only_mount_is_not_applicable(tmp_path: Path) -> None:
     two_cpu_two_node(tmp_path)
     group = write_v1(tmp_path, opts="ro,nosuid")
-    impl, ctx, _ = make_ctx(str(tmp_path))
+    impl, ctx, _ = make_ctx(str(tmp_path), gpus_by_index())
     with pytest.raises(NotApplicable, match=r"cpuset hierarchy at .*/sys/fs/cgroup/cpuset is mounted read-only"):
         impl.activate(ctx, None)
     assert sorted(p.name for p in group.iterdir() if p.is_dir()) == []
@@ -131,7 +132,7 @@ class RefusingOps(CgroupOps):
 def test_v1_kernel_refusals_fail_with_the_reason(tmp_path: Path, code: int, name: str) -> None:
     two_cpu_two_node(tmp_path)
     write_v1(tmp_path)
-    impl, ctx, _ = make_ctx(str(tmp_path))
+    impl, ctx, _ = make_ctx(str(tmp_path), gpus_by_index())
     impl.ops = RefusingOps(code)
     with pytest.raises(RuntimeError, match=rf"cgroup v1 cpuset: cannot create .*-rank0-train: {name} "):
         impl.activate(ctx, None)
@@ -251,7 +252,7 @@ def test_subprocess_fake_v2_without_cpuset_delegation(tmp_path: Path, run_loongk
     two_cpu_two_node(root, cgroup_version=2)
     job = write_v2_tree(root, group="/job", controllers="cpu memory pids", procs=(1,))
     r = run_loongkit("print('trained')", env={"LOONGKIT_SUBCGROUPS": "1", "LOONGKIT_NUMA_AFFINITY": "1",
-                                              "LOONGKIT_SYSFS_ROOT": str(root)})
+                                              "LOONGKIT_SYSFS_ROOT": str(root), **gpus_by_index()})
     assert r.returncode == 0 and "trained" in r.stdout, r.stderr
     row = r.feature("subcgroups")
     assert row["state"] == "not applicable"

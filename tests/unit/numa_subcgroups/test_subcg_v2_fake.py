@@ -8,7 +8,9 @@ import os
 from pathlib import Path
 
 import pytest
+from loongkit_numa import affinity
 from loongkit_numa.subcgroups import LEAF, WORKER_ENV, join_data_group
+from numa_helpers import gpus_by_index
 from subcg_helpers import FakeV2Ops, make_ctx, write_v2_tree
 
 from loongkit_core.context import NotApplicable
@@ -25,6 +27,8 @@ def _no_handoff(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def tree(tmp_path: Path, **kw: object) -> tuple[str, Path]:
+    """The two-node fixture with a v2 group; the tests' contexts get gpus_by_index(): they are about
+    cgroups, not about where the plan's GPU identity comes from (torch < 2.5: by index order)."""
     root = tmp_path / "root"
     two_cpu_two_node(root, cgroup_version=2)
     group = write_v2_tree(root, mems="0-1", **kw)  # type: ignore[arg-type]
@@ -37,7 +41,7 @@ def children(group: Path) -> list[str]:
 
 def test_no_internal_processes_leaf_then_groups_then_full_restore(tmp_path: Path) -> None:
     root, job = tree(tmp_path, procs=(OTHER, ME))
-    impl, ctx, logger = make_ctx(root, {"SLURM_JOB_ID": "77"}, local_rank=1, local_world_size=2)
+    impl, ctx, logger = make_ctx(root, {**gpus_by_index(), "SLURM_JOB_ID": "77"}, local_rank=1, local_world_size=2)
     ops = FakeV2Ops(Path(root) / "sys/fs/cgroup")
     impl.ops = ops
     impl.activate(ctx, None)
@@ -76,7 +80,7 @@ def test_peer_rank_already_moved_us_into_the_leaf(tmp_path: Path) -> None:
     root, job = tree(tmp_path, group="/job/" + LEAF)
     (job.parent / "cgroup.subtree_control").write_text("cpuset\n")
     (job / "cgroup.procs").write_text(f"{OTHER}\n{ME}\n")
-    impl, ctx, _ = make_ctx(root, {"TORCHELASTIC_RUN_ID": "none"}, local_rank=0, local_world_size=2)
+    impl, ctx, _ = make_ctx(root, {**gpus_by_index(), "TORCHELASTIC_RUN_ID": "none"}, local_rank=0, local_world_size=2)
     impl.ops = ops = FakeV2Ops(Path(root) / "sys/fs/cgroup")
     impl.activate(ctx, None)
     base = job.parent
@@ -89,9 +93,24 @@ def test_peer_rank_already_moved_us_into_the_leaf(tmp_path: Path) -> None:
     assert (base / "cgroup.subtree_control").read_text().split() == ["cpuset"]
 
 
+def test_old_torch_without_allow_index_is_not_applicable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch < 2.5 (made to look so here) cannot say which GPU is whose: no plan, no group made."""
+    root, job = tree(tmp_path, procs=(ME,))
+    monkeypatch.setattr(affinity, "_torch_version", lambda: (2, 4))
+    impl, ctx, _ = make_ctx(root)
+    impl.ops = FakeV2Ops(Path(root) / "sys/fs/cgroup")
+    with pytest.raises(NotApplicable) as info:
+        impl.activate(ctx, None)
+    assert str(info.value) == (
+        "the NUMA plan leaves local rank 0 unbound: torch 2.4 cannot report the GPU's PCI address (needs torch "
+        ">= 2.5); set LOONGKIT_NUMA_AFFINITY_ALLOW_INDEX=1 to bind by index order (and leave CUDA_VISIBLE_DEVICES "
+        "unset)")
+    assert children(job) == [] and WORKER_ENV not in os.environ
+
+
 def test_missing_delegation_names_every_missing_piece(tmp_path: Path) -> None:
     root, job = tree(tmp_path, procs=(ME,))
-    impl, ctx, _ = make_ctx(root)
+    impl, ctx, _ = make_ctx(root, gpus_by_index())
     impl.ops = FakeV2Ops(Path(root) / "sys/fs/cgroup",
                          deny=(str(job / "cgroup.subtree_control"), str(job / "cgroup.procs"), str(job)))
     with pytest.raises(NotApplicable) as info:
@@ -106,7 +125,7 @@ def test_missing_delegation_names_every_missing_piece(tmp_path: Path) -> None:
 
 def test_cpuset_controller_not_delegated(tmp_path: Path) -> None:
     root, _job = tree(tmp_path, controllers="cpu memory pids", procs=(ME,))
-    impl, ctx, _ = make_ctx(root)
+    impl, ctx, _ = make_ctx(root, gpus_by_index())
     impl.ops = FakeV2Ops(Path(root) / "sys/fs/cgroup")
     with pytest.raises(NotApplicable, match=r"cpuset controller is not delegated to .*/job \(cgroup.controllers: "
                                             r"cpu memory pids\); needs '\+cpuset' in .*/sys/fs/cgroup/cgroup"):
@@ -115,7 +134,7 @@ def test_cpuset_controller_not_delegated(tmp_path: Path) -> None:
 
 def test_a_process_that_cannot_move_fails_with_the_reason_and_rolls_back(tmp_path: Path) -> None:
     root, job = tree(tmp_path, procs=(ME, OTHER))
-    impl, ctx, _ = make_ctx(root)
+    impl, ctx, _ = make_ctx(root, gpus_by_index())
     impl.ops = ops = FakeV2Ops(Path(root) / "sys/fs/cgroup", refuse_pids=(OTHER,))
     with pytest.raises(RuntimeError, match=r"cgroup v2: no-internal-processes rule: .*EPERM \(cannot move pid 4242"):
         impl.activate(ctx, None)
@@ -126,7 +145,7 @@ def test_a_process_that_cannot_move_fails_with_the_reason_and_rolls_back(tmp_pat
 
 def test_plan_cpus_outside_the_group_are_not_applicable(tmp_path: Path) -> None:
     root, job = tree(tmp_path, cpus="0", procs=(ME,))  # the container's cpuset holds CPU 0 only
-    impl, ctx, _ = make_ctx(root, local_rank=1, local_world_size=2)
+    impl, ctx, _ = make_ctx(root, gpus_by_index(), local_rank=1, local_world_size=2)
     impl.ops = FakeV2Ops(Path(root) / "sys/fs/cgroup")
     with pytest.raises(NotApplicable, match="planned training CPUs 1 are outside this cgroup's CPUs 0"):
         impl.activate(ctx, None)
@@ -135,7 +154,7 @@ def test_plan_cpus_outside_the_group_are_not_applicable(tmp_path: Path) -> None:
 
 def test_invalid_cpuset_write_fails_and_removes_what_it_made(tmp_path: Path) -> None:
     root, job = tree(tmp_path, procs=(ME,))
-    impl, ctx, _ = make_ctx(root, {"SLURM_JOB_ID": "9"})
+    impl, ctx, _ = make_ctx(root, {**gpus_by_index(), "SLURM_JOB_ID": "9"})
     impl.ops = ops = FakeV2Ops(Path(root) / "sys/fs/cgroup")
     real_write = ops.write
 
@@ -156,7 +175,7 @@ def test_default_deactivate_restores_and_reapplies(tmp_path: Path, monkeypatch: 
     The exit hook that follows finds nothing left to do."""
     monkeypatch.setenv(WORKER_ENV, "an older handoff")
     root, job = tree(tmp_path, procs=(OTHER, ME))
-    impl, ctx, _ = make_ctx(root, {"SLURM_JOB_ID": "78"}, local_rank=0, local_world_size=2)
+    impl, ctx, _ = make_ctx(root, {**gpus_by_index(), "SLURM_JOB_ID": "78"}, local_rank=0, local_world_size=2)
     impl.ops = ops = FakeV2Ops(Path(root) / "sys/fs/cgroup")
 
     def state() -> tuple[object, ...]:
