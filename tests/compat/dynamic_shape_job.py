@@ -6,7 +6,17 @@ compared with eager (loss and input gradient within 1e-4).
 
 On torch 2.9.x, compiles with dynamic shapes run symbolic shape guards compiled to C++
 (torch._dynamo.config.enable_cpp_symbolic_shape_guards, on by default in 2.9.0), the mechanism the fix switches
-off. Prints one line per case and a last line
+off. The case that shows the upstream crash is `scaled/slice`: the step calls a module holding a float attribute
+(`self.scale = 32 ** -0.5`, an attention-style scale). With dynamic shapes a float is not specialized in 2.9
+(specialize_float=False), so the guard set reads it (its value feeds the C++ shape guard), and the module sits
+under dynamo's recursive dict-tag check (use_recursive_dict_tags_for_guards): once the module's dicts are
+unchanged, the guard walk skips the module's subtree, the C++ shape guard (which waits for all its inputs) does
+not receive the float's value and rejects nothing, so its other relations go unchecked too, among them
+`L['x'].stride()[0] == 32*L['x'].size()[1]`. The graph compiled for the first, contiguous (2, 5, 32) input then
+gets the (2, 5, 32) slice of a (2, 6, 32) tensor and inductor's assert_size_stride raises
+`AssertionError: expected size 2==2, stride 192==160 at dim=0` (stride 192 = 6*32 given, 160 = 5*32 expected).
+With the Python shape guard (the fix) the slice fails the guard and dynamo recompiles; the other cases equal eager
+either way. Prints one line per case and a last line
 `dynamic-shape probe: N cases, C crashed, M differ from eager, K compiles; torch V`;
 exit status 0 whatever the cases did (the session judges).
 """
@@ -25,6 +35,21 @@ W = torch.randn(32, 16)
 HEAD = torch.nn.Linear(32, 8)
 
 
+class Scaled(torch.nn.Module):
+    """A projection times a float attribute: the float (unspecialized on 2.9) puts this module in the shape guard."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 8)
+        self.scale = 32 ** -0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.proj(x) * self.scale).softmax(-1).pow(2).sum()
+
+
+SCALED = Scaled()
+
+
 def linear(x: torch.Tensor) -> torch.Tensor:
     return (x @ W).tanh().sum()
 
@@ -41,6 +66,10 @@ def pad(x: torch.Tensor) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, (4 - x.shape[1] % 4) % 4)).cumsum(1).sum()
 
 
+def scaled(x: torch.Tensor) -> torch.Tensor:
+    return SCALED(x)
+
+
 def layouts(n: int) -> dict[str, torch.Tensor]:
     return {"contiguous": torch.randn(2, n, 32), "slice": torch.randn(2, n + 1, 32)[:, :n],
             "transposed": torch.randn(2, 32, n).transpose(1, 2)}
@@ -52,7 +81,7 @@ SEQUENCES = {  # (size, layout) per call
     "mixed": [(5, "slice"), (6, "transposed"), (5, "contiguous"), (7, "slice")],
 }
 FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "linear": linear, "module": module, "flatten": flatten, "pad": pad}
+    "linear": linear, "module": module, "flatten": flatten, "pad": pad, "scaled": scaled}
 
 
 def run_case(fn: Callable[[torch.Tensor], torch.Tensor], calls: list[tuple[int, str]], compiles: list[int]) -> str:

@@ -102,8 +102,14 @@ class DynamicShapeFix(FeatureImpl):
 
     * ``torch._dynamo.config.enable_cpp_symbolic_shape_guards``: turned on by default in 2.9.0
       (pytorch/pytorch#140756, "Dynamic shape guards in C++"): symbolic shape guards are then
-      compiled to C++ with the host compiler at every dynamic-shape compile, the 2.9.0 crash path
-      (and a gcc run per guard set). Upstream reverted the default to False
+      compiled to C++ with the host compiler at every dynamic-shape compile (a gcc run per guard set).
+      The crash it causes (reproduced on the CPU, tests/compat/dynamic_shape_job.py): the C++ shape
+      guard runs only once every value it reads has been fed; a module float (an attention scale: a
+      symbol, floats not specialized with dynamic shapes) is read from the module's guard subtree,
+      which dynamo skips while the module's dicts are unchanged, so the whole shape guard, stride
+      relations included, never runs, and a graph compiled for a contiguous input runs on a slice
+      (inductor's ``assert_size_stride``: "expected size 2==2, stride 192==160"). The Python shape
+      guard rejects the slice and dynamo recompiles. Upstream reverted the default to False
       (pytorch/pytorch#166427). Changed only where it is still True.
     * ``torch._inductor.config.triton.coalesce_tiling_analysis``: the coalesce tiling analysis
       (pytorch/pytorch#158872) "does not yet apply to dynamic shapes" (its own config comment) yet runs
