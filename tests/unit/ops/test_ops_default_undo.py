@@ -22,6 +22,7 @@ from loongkit_ops.plugin import plugin
 from loongkit_core import requirements
 from loongkit_core.feature import State
 from loongkit_core.runtime import Runtime
+from loongkit_core.testing import skip_outside_declaration
 
 
 # -- helpers ---------------------------------------------------------------------------------------------
@@ -90,15 +91,6 @@ class PI0Pytorch(torch.nn.Module):
         return self.proj(x)
 
 
-def needs_torch(minimum: str) -> None:
-    """Skip where the installed torch is older than the feature's declaration (not applicable there)."""
-    from packaging.version import Version
-
-    installed = requirements.installed("torch").version
-    if Version(installed).release < Version(minimum).release:
-        pytest.skip(f"the feature declares torch>={minimum}; torch {installed} installed (not applicable there)")
-
-
 def needs_flag(module: Any, flag: str) -> None:
     """Skip where the installed torch's config has no ``flag`` for the fix to switch (older than its declaration)."""
     if not hasattr(module, flag):
@@ -106,7 +98,7 @@ def needs_flag(module: Any, flag: str) -> None:
 
 
 def test_compile_resnet_apply_undo_apply(runtime: Callable[..., Runtime], monkeypatch: pytest.MonkeyPatch) -> None:
-    needs_torch("2.6.0")
+    skip_outside_declaration(plugin.feature("compile_resnet"), "torch")
     monkeypatch.setattr(common, "BACKEND", "aot_eager")
     fake_versions(monkeypatch, mmdet="3.3.0")
     fake_module(monkeypatch, "mmdet.models.backbones.resnet", ResNet=Stages)
@@ -122,7 +114,7 @@ def test_compile_resnet_apply_undo_apply(runtime: Callable[..., Runtime], monkey
 
 
 def test_compile_pi0_apply_undo_apply(runtime: Callable[..., Runtime], monkeypatch: pytest.MonkeyPatch) -> None:
-    needs_torch("2.6.0")
+    skip_outside_declaration(plugin.feature("compile_pi0pytorch"), "torch")
     monkeypatch.setattr(common, "BACKEND", "aot_eager")
     target = "lerobot.policies.pi0.modeling_pi0"
     fake_module(monkeypatch, target, PI0Pytorch=PI0Pytorch)
@@ -162,7 +154,7 @@ def test_openvla_apply_undo_apply(runtime: Callable[..., Runtime]) -> None:
 
 
 def test_mmdet_modules_apply_undo_apply(runtime: Callable[..., Runtime], monkeypatch: pytest.MonkeyPatch) -> None:
-    needs_torch("2.6.0")
+    skip_outside_declaration(plugin.feature("mmdet_modules"), "torch")
     double = types.ModuleType("lk_registry_double")
     path = Path(__file__).parents[1] / "ops_models" / "mmcv1_registry_double.py"
     exec(compile(path.read_text(), str(path), "exec"), double.__dict__)
