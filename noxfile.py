@@ -290,7 +290,8 @@ def published_lerobot(session: nox.Session) -> None:
 
 
 # -- compatibility matrix (issue 26): `nox -t compat`, one venv per row, torch pinned ---------------------
-# Not in `-t test` (CI): each row is a 5-7 GB venv of PyPI's torch (CUDA builds, run on the CPU here).
+# Not in `-t test`: each row is a 5-7 GB venv of PyPI's torch (CUDA builds, run on the CPU here). CI's .ci/run
+# runs compat-torch2.4 after the test command; the other rows do not fit its hour.
 # Rows: 2.4.1/py3.10 (the minimum), 2.8.0 (DONATED_BUFFER_FIX), 2.9.0 (DYNAMIC_SHAPE_FIX), 2.10.0/py3.13
 # (HF_ACC_COMPILE), the newest torch/py3.13. Python 3.10 and 3.13 must be on PATH
 # (pyenv: `PYENV_VERSION=3.11.7:3.10.13:3.12.1:3.13.0 nox -t compat`). Results: docs/features/ops-compile.md.
