@@ -292,11 +292,19 @@ def published_lerobot(session: nox.Session) -> None:
 # -- compatibility matrix (issue 26): `nox -t compat`, one venv per row, torch pinned ---------------------
 # Not in `-t test`: each row is a 5-7 GB venv of PyPI's torch (CUDA builds, run on the CPU here). CI's .ci/run
 # runs compat-torch2.4 after the test command; the other rows do not fit its hour.
-# Rows: 2.4.1/py3.10 (the minimum), 2.8.0 (DONATED_BUFFER_FIX), 2.9.0 (DYNAMIC_SHAPE_FIX), 2.10.0/py3.13
-# (HF_ACC_COMPILE), the newest torch/py3.13. Python 3.10 and 3.13 must be on PATH
+# Rows: 2.4.1/py3.10 (the minimum), 2.8.0/py3.12 (DONATED_BUFFER_FIX), 2.9.0 (DYNAMIC_SHAPE_FIX), 2.10.0/py3.13
+# (HF_ACC_COMPILE), the newest torch/py3.13. Python 3.10, 3.12 and 3.13 must be on PATH
 # (pyenv: `PYENV_VERSION=3.11.7:3.10.13:3.12.1:3.13.0 nox -t compat`). Results: docs/features/ops-compile.md.
 # A hung test (a DataLoader worker, a compile) fails its row instead of stalling the matrix or CI.
 COMPAT_TIMEOUT = "--timeout=600"
+# The triton that torch 2.8, 2.9 and 2.10 pin (3.4, 3.5, 3.6): its CPU interpreter, which the kernel tests run, makes
+# a runtime scalar a loop bound with int() of a 1-element array, which NumPy 2.4 refuses ("only 0-dimensional arrays
+# can be converted to Python scalars"; 2.3 warns; triton 3.8+ squeezes first). A limit of the test tool, not of the
+# kernels: on a GPU triton compiles them.
+OLD_TRITON_NUMPY = "numpy<2.4"
+# The fix rows also run the ops plugin's unit tests: its custom ops register (torch.library) and match their
+# references on that row's torch and Python, not only on the first and the newest.
+COMPAT_OPS_TESTS = ["tests/unit/ops", "tests/unit/ops_kernels", "tests/unit/ops_models"]
 
 
 @nox.session(name="compat-torch2.4", python="3.10", tags=["compat"])
@@ -322,7 +330,7 @@ def compat_torch24(session: nox.Session) -> None:
 
 @nox.session(name="compat-torch2.9", tags=["compat"])
 def compat_torch29(session: nox.Session) -> None:
-    """torch 2.9.0 (LOONGKIT_DYNAMIC_SHAPE_FIX): the fixes' unit tests on their own torch, then
+    """torch 2.9.0 (LOONGKIT_DYNAMIC_SHAPE_FIX): the ops unit tests (the fixes' among them) on their own torch, then
     tests/compat/dynamic_shape_job.py (15 dynamic-shape training cases, torch._dynamo.reset() before each,
     compared with eager) bare and under loongkit-run with the fix. Required: bare, the upstream crash shows (at
     least one case crashed: scaled/slice, the C++ shape guard skipped with the module that holds a float, see the
@@ -330,11 +338,12 @@ def compat_torch29(session: nox.Session) -> None:
     import re
     import shutil
 
-    _compat_install(session, "torch==2.9.0")
+    _compat_install(session, "torch==2.9.0", OLD_TRITON_NUMPY)
     versions = _versions(session)
     if not versions:  # nox --install-only
         return
-    session.run("pytest", "-rs", "tests/unit/ops/test_ops_fixes.py", *session.posargs)
+    ops = _compat_pytest(session, "-m", "not integration", "-rs", "-q", COMPAT_TIMEOUT, *COMPAT_OPS_TESTS,
+                         *session.posargs)
     job = ["python", "tests/compat/dynamic_shape_job.py"]
     summary = r"dynamic-shape probe: (\d+) cases, (\d+) crashed, (\d+) differ from eager, (\d+) compiles"
     # A fresh inductor cache per run (absolute: inductor compiles from the cache directory's own path).
@@ -352,7 +361,8 @@ def compat_torch29(session: nox.Session) -> None:
         session.error("the probe did not finish")
     star = re.search(r"dynamic_shape_fix\s+\*.*\((\d+) calls\)", fixed_out)
     calls = int(star.group(1)) if star else 0
-    session.log(f"{versions}: bare {bare.group(2)} of {bare.group(1)} cases crashed, {bare.group(3)} differ; "
+    session.log(f"{versions}: ops unit tests {ops}; "
+                f"bare {bare.group(2)} of {bare.group(1)} cases crashed, {bare.group(3)} differ; "
                 f"with fix {fixed.group(2)} crashed, {fixed.group(3)} differ ({fixed.group(4)} compiles); "
                 f"starred {'yes' if star else 'no'} ({calls} calls)")
     if int(bare.group(2)) < 1:
@@ -406,9 +416,10 @@ def _versions(session: nox.Session) -> str:
     return out.splitlines()[-1] if out else ""
 
 
-@nox.session(name="compat-torch2.8", tags=["compat"])
+@nox.session(name="compat-torch2.8", python="3.12", tags=["compat"])
 def compat_torch28(session: nox.Session) -> None:
-    """torch 2.8.0 (LOONGKIT_DONATED_BUFFER_FIX): tests/compat/donated_buffer_job.py under torchrun, 2 ranks,
+    """torch 2.8.0 on Python 3.12 (LOONGKIT_DONATED_BUFFER_FIX): the ops unit tests, then
+    tests/compat/donated_buffer_job.py under torchrun, 2 ranks,
     gloo on the CPU, DDP + DDPOptimizer around an inductor-compiled monotone MLP, compared with eager DDP on the
     same batches: bare, with upstream's manual workaround (donated_buffer=False) and under loongkit-run with the
     fix. Required: bare, upstream's corruption (a weight more than 0.1 relative off eager's: the misdonated
@@ -417,10 +428,12 @@ def compat_torch28(session: nox.Session) -> None:
     ranks."""
     import re
 
-    _compat_install(session, "torch==2.8.0")
+    _compat_install(session, "torch==2.8.0", OLD_TRITON_NUMPY)
     versions = _versions(session)
     if not versions:  # nox --install-only
         return
+    ops = _compat_pytest(session, "-m", "not integration", "-rs", "-q", COMPAT_TIMEOUT, *COMPAT_OPS_TESTS,
+                         *session.posargs)
     job = ["torchrun", "--nproc-per-node", "2", "--master-port", "29531", "tests/compat/donated_buffer_job.py"]
     env = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}  # each run compiles afresh
 
@@ -439,7 +452,8 @@ def compat_torch28(session: nox.Session) -> None:
     workaround, workaround_sha, _ = run(DONATED_BUFFER_OFF="1")
     fixed, fixed_sha, out = run("loongkit-run", LOONGKIT_DONATED_BUFFER_FIX="1")
     starred = re.search(r"donated_buffer_fix\s+\*.*\(ranks 0,1 of 2\b", out)
-    session.log(f"{versions}: bare max relative weight diff {max(bare):.3g}, with fix {max(fixed):.3g}, upstream's "
+    session.log(f"{versions}: ops unit tests {ops}; "
+                f"bare max relative weight diff {max(bare):.3g}, with fix {max(fixed):.3g}, upstream's "
                 f"workaround {max(workaround):.3g} (fix {'==' if fixed_sha == workaround_sha else '!='} workaround "
                 f"bitwise), starred {'2/2' if starred else '0/2'}")
     if min(bare) <= bare_min:
@@ -452,17 +466,19 @@ def compat_torch28(session: nox.Session) -> None:
 
 @nox.session(name="compat-torch2.10", python="3.13", tags=["compat"])
 def compat_torch210(session: nox.Session) -> None:
-    """torch 2.10.0 on Python 3.13 (LOONGKIT_HF_ACC_COMPILE, transformers 4.57.6, accelerate 1.15.0):
-    tests/compat/hf_accelerate_job.py, a plain Accelerate training loop on a tiny Llama (sdpa), bare (prepare()
-    returns the eager model) and under loongkit-run with the feature (prepare() compiles it with inductor): the
-    losses must agree within 1e-5 and the Summary must star the feature."""
+    """torch 2.10.0 on Python 3.13 (LOONGKIT_HF_ACC_COMPILE, transformers 4.57.6, accelerate 1.15.0): the ops
+    unit tests, then tests/compat/hf_accelerate_job.py, a plain Accelerate training loop on a tiny Llama (sdpa),
+    bare (prepare() returns the eager model) and under loongkit-run with the feature (prepare() compiles it with
+    inductor): the losses must agree within 1e-5 and the Summary must star the feature."""
     import json
     import re
 
-    _compat_install(session, "torch==2.10.0", *HF_DEPS)
+    _compat_install(session, "torch==2.10.0", OLD_TRITON_NUMPY, *HF_DEPS)
     versions = _versions(session)
     if not versions:  # nox --install-only
         return
+    ops = _compat_pytest(session, "-m", "not integration", "-rs", "-q", COMPAT_TIMEOUT, *COMPAT_OPS_TESTS,
+                         *session.posargs)
     tmp = Path(session.create_tmp())
     job = ["python", "tests/compat/hf_accelerate_job.py"]
     env = {"ACCELERATE_DYNAMO_BACKEND": "no"}  # what `accelerate launch` writes by default
@@ -473,7 +489,8 @@ def compat_torch210(session: nox.Session) -> None:
     bare, acc = (json.loads((tmp / name).read_text()) for name in ("bare.json", "acc.json"))
     diff = max(abs(a - b) for a, b in zip(acc["losses"], bare["losses"], strict=True))
     starred = re.search(r"hf_acc_compile\s+\*", out)
-    session.log(f"{versions}: prepare() compiled bare {bare['compiled']}, with loongkit {acc['compiled']}; "
+    session.log(f"{versions}: ops unit tests {ops}; "
+                f"prepare() compiled bare {bare['compiled']}, with loongkit {acc['compiled']}; "
                 f"{len(acc['losses'])} losses, max diff from eager Accelerate {diff:.3g}; "
                 f"starred {'yes' if starred else 'no'}")
     if bare["compiled"] or not acc["compiled"] or diff > 1e-5 or not starred:
