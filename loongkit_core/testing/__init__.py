@@ -14,8 +14,8 @@ Fixtures:
   (patches undone), for tests that call the patched code directly.
 
 Helpers: ``skip_outside_declaration(feature, "torch")`` skips a test where the installed torch (or any
-distribution named) is outside the feature's own ``requires``; ``free_port``, ``read_json``,
-``install_fake_plugin``.
+distribution named) is outside the feature's own ``requires`` (``outside_declaration`` gives that reason,
+or None); ``free_port``, ``read_json``, ``install_fake_plugin``.
 """
 
 from __future__ import annotations
@@ -222,18 +222,25 @@ def fake_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterat
     requirements.installed.cache_clear()  # before monkeypatch restores sys.path: nothing reads it between
 
 
+def outside_declaration(feature: Any, *distributions: str) -> str | None:
+    """Why the installed ``distributions`` (e.g. "torch") fall outside ``feature``'s own ``requires`` (the
+    Summary's reason), or None when they are inside it (or the feature declares none of them)."""
+    from loongkit_core import requirements
+
+    names = {name.lower() for name in distributions}
+    return requirements.check_all([req for req in feature.requires if _requirement_name(req) in names])
+
+
 def skip_outside_declaration(feature: Any, *distributions: str) -> None:
     """Skip the calling test where the installed ``distributions`` (e.g. "torch") fall outside
     ``feature``'s own ``requires``: there the feature is not applicable, and says so in its Summary row.
 
     Tests that build their own stand-in for the framework name only the real distributions they use, so
     a missing mmdet does not skip a test that fakes it. The skip reason is the Summary's."""
-    from loongkit_core import requirements
-
-    names = {name.lower() for name in distributions}
-    declared = [req for req in feature.requires if _requirement_name(req) in names]
-    reason = requirements.check_all(declared)
+    reason = outside_declaration(feature, *distributions)
     if reason is not None:
+        names = {name.lower() for name in distributions}
+        declared = [req for req in feature.requires if _requirement_name(req) in names]
         pytest.skip(f"{feature.name} declares {', '.join(declared)}: {reason} (not applicable there)")
 
 

@@ -17,6 +17,7 @@ from loongkit_ops.plugin import plugin
 from loongkit_core import requirements
 from loongkit_core.feature import State
 from loongkit_core.runtime import Runtime
+from loongkit_core.testing import outside_declaration
 
 
 @pytest.fixture
@@ -45,9 +46,8 @@ DDP = {"LOONGKIT_DONATED_BUFFER_FIX": "1"}
 
 
 def test_donated_not_applicable_on_installed_torch(runtime: Callable[..., Runtime]) -> None:
-    declared = [req for req in plugin.feature("donated_buffer_fix").requires if req.startswith("torch")]
-    if requirements.check_all(declared) is None:  # torch 2.6-2.8 (the compat-torch2.8 row)
-        pytest.skip(f"torch {requirements.installed('torch').version} is inside {declared}: the applicable branch "
+    if outside_declaration(plugin.feature("donated_buffer_fix"), "torch") is None:  # torch 2.6-2.8
+        pytest.skip(f"torch {requirements.installed('torch').version} is the fix's own torch: the applicable branch "
                     "is tested below and by the compat-torch2.8 row")
     record = runtime(DDP).records["donated_buffer_fix"]
     assert record.state == State.NOT_APPLICABLE
@@ -144,9 +144,9 @@ DYN = {"LOONGKIT_DYNAMIC_SHAPE_FIX": "1"}
 
 
 def test_dynamic_not_applicable_on_installed_torch(runtime: Callable[..., Runtime]) -> None:
-    installed = requirements.installed("torch").version
-    if installed.startswith("2.9."):
-        pytest.skip(f"torch {installed} is the fix's own torch (==2.9.*): applicable there")
+    if outside_declaration(plugin.feature("dynamic_shape_fix"), "torch") is None:  # torch 2.9.*
+        pytest.skip(f"torch {requirements.installed('torch').version} is the fix's own torch (==2.9.*): applicable "
+                    "there")
     record = runtime(DYN).records["dynamic_shape_fix"]
     assert record.state == State.NOT_APPLICABLE
     assert record.reason == f"torch {requirements.installed('torch').version} outside ==2.9.*"
