@@ -286,6 +286,15 @@ def _group_dir(root: str, mount: Mount, own_path: str) -> str | None:
     return directory if os.path.isdir(directory) else None
 
 
+def _first_visible(version: int, root: str, mounts: list[Mount], own_path: str) -> Hierarchy | None:
+    """The hierarchy of the first of ``mounts`` that shows this process's group ``own_path``."""
+    for mount in mounts:
+        directory = _group_dir(root, mount, own_path)
+        if directory is not None:
+            return Hierarchy(version, root, mount, under(root, mount.point), own_path, directory)
+    return None
+
+
 def locate_cpuset(root: str) -> Hierarchy | str:
     """This process's cpuset hierarchy: a v1 cpuset mount first (hybrid hosts), else cgroup v2.
 
@@ -304,20 +313,18 @@ def locate_cpuset(root: str) -> Hierarchy | str:
     if v1:
         if "cpuset" not in own:
             return f"a cgroup v1 cpuset mount exists but {under(root, PROC_CGROUP)} has no cpuset line"
-        for mount in v1:
-            directory = _group_dir(root, mount, own["cpuset"])
-            if directory is not None:
-                return Hierarchy(1, root, mount, under(root, mount.point), own["cpuset"], directory)
+        found = _first_visible(1, root, v1, own["cpuset"])
+        if found is not None:
+            return found
         points = ", ".join(under(root, m.point) for m in v1)
         return f"this process's cpuset group {own['cpuset']} is not visible under the cpuset mount(s) {points}"
     if not v2:
         return "no cgroup v1 cpuset mount and no cgroup v2 mount in " + under(root, MOUNTINFO)
     if "" not in own:
         return f"{under(root, PROC_CGROUP)} has no cgroup v2 line (0::/path)"
-    for mount in v2:
-        directory = _group_dir(root, mount, own[""])
-        if directory is not None:
-            return Hierarchy(2, root, mount, under(root, mount.point), own[""], directory)
+    found = _first_visible(2, root, v2, own[""])
+    if found is not None:
+        return found
     points = ", ".join(under(root, m.point) for m in v2)
     return f"this process's cgroup {own['']} is not visible under the cgroup v2 mount(s) {points}"
 
