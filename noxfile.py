@@ -322,8 +322,7 @@ def compat_torch24(session: nox.Session) -> None:
     versions = _versions(session)
     if not versions:  # nox --install-only
         return
-    counts = _compat_pytest(session, "-m", "not integration", "-rs", "-q", COMPAT_TIMEOUT, "tests/unit",
-                            *session.posargs)
+    counts = _compat_pytest(session, "tests/unit")
     starred = _compat_all_job(session)
     session.log(f"{versions}: unit tests {counts}; LOONGKIT_ALL=1 job rc 0, starred: {starred}")
 
@@ -342,8 +341,7 @@ def compat_torch29(session: nox.Session) -> None:
     versions = _versions(session)
     if not versions:  # nox --install-only
         return
-    ops = _compat_pytest(session, "-m", "not integration", "-rs", "-q", COMPAT_TIMEOUT, *COMPAT_OPS_TESTS,
-                         *session.posargs)
+    ops = _compat_pytest(session, *COMPAT_OPS_TESTS)
     job = ["python", "tests/compat/dynamic_shape_job.py"]
     summary = r"dynamic-shape probe: (\d+) cases, (\d+) crashed, (\d+) differ from eager, (\d+) compiles"
     # A fresh inductor cache per run (absolute: inductor compiles from the cache directory's own path).
@@ -380,13 +378,15 @@ def _compat_install(session: nox.Session, *packages: str) -> None:
     session.install("-e", ".", *[f"-e{p}" for p in PLUGINS], *TEST_DEPS, "pytest-timeout")
 
 
-def _compat_pytest(session: nox.Session, *args: str) -> str:
-    """pytest with a JUnit report (fails the row on any failure); returns its counts for the row's log line."""
+def _compat_pytest(session: nox.Session, *paths: str) -> str:
+    """The unit tests under ``paths`` (not integration; the session's arguments appended), with a JUnit report
+    (fails the row on any failure); returns its counts for the row's log line."""
     from xml.etree import ElementTree
 
     report = Path(session.create_tmp()).resolve() / "junit.xml"
     report.unlink(missing_ok=True)
-    session.run("pytest", f"--junitxml={report}", *args)
+    session.run("pytest", f"--junitxml={report}", "-m", "not integration", "-rs", "-q", COMPAT_TIMEOUT, *paths,
+                *session.posargs)
     suites = ElementTree.parse(report).getroot().iter("testsuite")
     total = {key: 0 for key in ("tests", "failures", "errors", "skipped")}
     for suite in suites:
@@ -432,8 +432,7 @@ def compat_torch28(session: nox.Session) -> None:
     versions = _versions(session)
     if not versions:  # nox --install-only
         return
-    ops = _compat_pytest(session, "-m", "not integration", "-rs", "-q", COMPAT_TIMEOUT, *COMPAT_OPS_TESTS,
-                         *session.posargs)
+    ops = _compat_pytest(session, *COMPAT_OPS_TESTS)
     job = ["torchrun", "--nproc-per-node", "2", "--master-port", "29531", "tests/compat/donated_buffer_job.py"]
     env = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}  # each run compiles afresh
 
@@ -477,8 +476,7 @@ def compat_torch210(session: nox.Session) -> None:
     versions = _versions(session)
     if not versions:  # nox --install-only
         return
-    ops = _compat_pytest(session, "-m", "not integration", "-rs", "-q", COMPAT_TIMEOUT, *COMPAT_OPS_TESTS,
-                         *session.posargs)
+    ops = _compat_pytest(session, *COMPAT_OPS_TESTS)
     tmp = Path(session.create_tmp())
     job = ["python", "tests/compat/hf_accelerate_job.py"]
     env = {"ACCELERATE_DYNAMO_BACKEND": "no"}  # what `accelerate launch` writes by default
@@ -510,7 +508,6 @@ def compat_newest(session: nox.Session) -> None:
     if not versions:  # nox --install-only
         return
     session.log(versions)
-    counts = _compat_pytest(session, "-m", "not integration", "-rs", "-q", COMPAT_TIMEOUT, "tests/unit",
-                            *session.posargs)
+    counts = _compat_pytest(session, "tests/unit")
     starred = _compat_all_job(session)
     session.log(f"{versions}: unit tests {counts}; LOONGKIT_ALL=1 job rc 0, starred: {starred}")

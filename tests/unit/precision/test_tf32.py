@@ -62,23 +62,25 @@ def test_user_choice_is_kept(setup: str, expected_kept: dict[str, str]) -> None:
         assert kept[key] == value
 
 
+# The feature as its plugin declares it, activated and undone outside a Runtime in a fresh interpreter (the
+# switches are process-global): defines b (torch.backends), impl, ctx and rec (its record).
+_STANDALONE = (
+    "import torch\n"
+    "from loongkit_core.context import ActivationContext\n"
+    "from loongkit_precision.plugin import plugin\n"
+    "from loongkit_precision.tf32 import AllowTF32\n"
+    "b = torch.backends\n"
+    "feature = plugin.feature('allow_tf32')\n"
+    "ctx = ActivationContext.standalone(feature); rec = ctx.record; impl = AllowTF32(feature)\n"
+)
+
+
 @needs_new_api
 def test_deactivate_restores_exact_values() -> None:
     out = _python(
-        "import torch\n"
-        "from loongkit_core.feature import Category, Feature\n"
-        "from loongkit_precision.tf32 import AllowTF32\n"
-        "from types import SimpleNamespace as NS\n"
-        "import structlog\n"
-        "b = torch.backends\n"
-        "before = (b.cuda.matmul.fp32_precision, b.cudnn.conv.fp32_precision, b.cudnn.rnn.fp32_precision)\n"
-        "f = Feature(name='allow_tf32', env='LOONGKIT_ALLOW_TF32', level=1, category=Category.PRECISION,\n"
-        "            description='')\n"
-        "from loongkit_core.feature import FeatureRecord\n"
-        "from loongkit_core.context import ActivationContext\n"
-        "rec = FeatureRecord(f)\n"
-        "ctx = ActivationContext(rec, None, structlog.get_logger(), lambda m, cb: None)\n"
-        "impl = AllowTF32(f); impl.activate(ctx, 'torch')\n"
+        _STANDALONE
+        + "before = (b.cuda.matmul.fp32_precision, b.cudnn.conv.fp32_precision, b.cudnn.rnn.fp32_precision)\n"
+        "impl.activate(ctx, 'torch')\n"
         "during = b.cuda.matmul.fp32_precision\n"
         "impl.deactivate(ctx)\n"
         "after = (b.cuda.matmul.fp32_precision, b.cudnn.conv.fp32_precision, b.cudnn.rnn.fp32_precision)\n"
@@ -137,18 +139,10 @@ def _legacy_backends(matmul: bool = False, cudnn: bool = True) -> SimpleNamespac
 @needs_legacy_api
 def test_legacy_flags_set_and_restored_on_real_torch() -> None:
     out = _python(
-        "import torch, structlog\n"
-        "from loongkit_core.context import ActivationContext\n"
-        "from loongkit_core.feature import Category, Feature, FeatureRecord\n"
-        "from loongkit_precision.tf32 import AllowTF32\n"
-        "b = torch.backends\n"
-        "b.cuda.matmul.allow_tf32 = False\n"  # torch's default since 1.12, set explicitly for the check
+        _STANDALONE
+        + "b.cuda.matmul.allow_tf32 = False\n"  # torch's default since 1.12, set explicitly for the check
         "before = (b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32)\n"
-        "f = Feature(name='allow_tf32', env='LOONGKIT_ALLOW_TF32', level=1, category=Category.PRECISION,\n"
-        "            description='')\n"
-        "rec = FeatureRecord(f)\n"
-        "ctx = ActivationContext(rec, None, structlog.get_logger(), lambda m, cb: None)\n"
-        "impl = AllowTF32(f); impl.activate(ctx, 'torch')\n"
+        "impl.activate(ctx, 'torch')\n"
         "during = (b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32)\n"
         "impl.deactivate(ctx)\n"
         "after = (b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32)\n"
