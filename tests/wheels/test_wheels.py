@@ -118,7 +118,7 @@ def test_every_isa_of_the_wheel_computes_the_same_pixels() -> None:
     outs = []
     for isa in data.LIBRARY.isas():
         out = np.empty(img.shape, np.float32)
-        data.LIBRARY.load(isa).imnormalize(img, out, (123.675, 116.28, 103.53), (0.017, 0.0175, 0.0174), True, 1)
+        data.LIBRARY.load(isa).imnormalize(img, out, (123.675, 116.28, 103.53), (0.017, 0.0175, 0.0174), True, 0, 1)
         outs.append(out.view(np.uint32))
     assert all(np.array_equal(o, outs[0]) for o in outs)
 

@@ -1,6 +1,6 @@
 """Every instruction-set build of the loongkit-data kernels (what a CPU without AVX-512, or without
-AVX2, runs) computes the same bits as the best one here: imnormalize (also against mmcv's formula in
-numpy) and the fused PhotoMetricDistortion in every HSV mode. No OpenCV needed."""
+AVX2, runs) computes the same bits as the best one here: imnormalize in both product modes (also against
+the formula of each in numpy) and the fused PhotoMetricDistortion in every HSV mode. No OpenCV needed."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from loongkit_data import kernels
+from loongkit_data.kernels import ops
 
 from loongkit_core import kernelbuild
 
@@ -43,10 +44,13 @@ def images(rng: np.random.Generator) -> list[np.ndarray]:
     return out
 
 
-def mmcv_imnormalize(img: np.ndarray, to_rgb: bool) -> np.ndarray:
-    """mmcv.imnormalize's arithmetic in numpy: float32 subtract, float64 multiply, one rounding."""
+def mmcv_imnormalize(img: np.ndarray, to_rgb: bool, product: int) -> np.ndarray:
+    """mmcv.imnormalize's arithmetic in numpy: float32 subtract, then the product in float64 rounded once
+    (OpenCV <= 5.0, product mode 0) or in float32 with 1/std rounded to float32 (OpenCV 5.1, mode 1)."""
     x = img[..., ::-1] if to_rgb else img
     d = x.astype(np.float32) - MEAN.astype(np.float32)
+    if product == 1:
+        return d * (1 / STD).astype(np.float32)
     return (d.astype(np.float64) * (1 / STD)).astype(np.float32)
 
 
@@ -54,16 +58,22 @@ def test_imnormalize_same_bits_in_every_build(builds: dict[str, Any]) -> None:
     rng = np.random.default_rng(SEED)
     mean = tuple(MEAN.astype(np.float32).astype(float).tolist())
     stdinv = tuple((1 / STD).tolist())
-    for img, to_rgb in itertools.product(images(rng), (True, False)):
-        expected = mmcv_imnormalize(img, to_rgb)
+    for img, to_rgb, product in itertools.product(images(rng), (True, False), ops.NORM_PRODUCTS):
+        expected = mmcv_imnormalize(img, to_rgb, product)
         for isa, lib in builds.items():
             out = np.full(img.shape, np.nan, np.float32)
-            lib.imnormalize(img, out, mean, stdinv, to_rgb, 1)
-            assert np.array_equal(bits(out), bits(expected)), (isa, img.shape, img.dtype, img.strides, SEED)
+            lib.imnormalize(img, out, mean, stdinv, to_rgb, product, 1)
+            assert np.array_equal(bits(out), bits(expected)), (isa, product, img.shape, img.dtype, img.strides, SEED)
             if img.dtype == np.float32 and img.flags.c_contiguous:
                 inplace = img.copy()
-                lib.imnormalize(inplace, inplace, mean, stdinv, to_rgb, 1)
-                assert np.array_equal(bits(inplace), bits(expected)), (isa, "in place", img.shape, SEED)
+                lib.imnormalize(inplace, inplace, mean, stdinv, to_rgb, product, 1)
+                assert np.array_equal(bits(inplace), bits(expected)), (isa, product, "in place", img.shape, SEED)
+
+
+def test_product_modes_differ_on_these_images() -> None:
+    """The two product modes are told apart by calibration only if they give other bits somewhere."""
+    img = images(np.random.default_rng(SEED))[0]
+    assert not np.array_equal(mmcv_imnormalize(img, False, 0), mmcv_imnormalize(img, False, 1))
 
 
 def test_split_route_only_in_simd_builds(builds: dict[str, Any]) -> None:
@@ -74,9 +84,6 @@ def test_split_route_only_in_simd_builds(builds: dict[str, Any]) -> None:
             assert lib.imnormalize_split(mean, stdinv) is False
         else:
             assert isinstance(lib.imnormalize_split(mean, stdinv), bool)
-
-
-MODES = [(lanes, *flags) for lanes in (4, 8, 16) for flags in itertools.product((True, False), repeat=3)]
 
 
 def test_distortion_same_bits_in_every_build_and_mode(builds: dict[str, Any]) -> None:
@@ -91,7 +98,7 @@ def test_distortion_same_bits_in_every_build_and_mode(builds: dict[str, Any]) ->
                                    (rng.uniform(-32, 32), rng.uniform(0.5, 1.5), rng.uniform(0.5, 1.5),
                                     rng.uniform(0.5, 1.5), rng.uniform(-18, 18)))
         perm = tuple(int(i) for i in rng.permutation(3))
-        for mode in MODES:
+        for mode in ops._MODES:  # every mode calibration may pick
             outs = {}
             for isa, lib in builds.items():
                 out = np.full(img.shape, np.nan, np.float32)

@@ -1,13 +1,17 @@
-"""Python entry points of the kernels: argument checks, output allocation, HSV calibration.
+"""Python entry points of the kernels: argument checks, output allocation, calibration against cv2.
 
 Each function returns None when the kernel does not handle the input (the caller then runs the
-upstream code); the reason is the second element of the returned pair.
+upstream code); the reason is the second element of the returned pair. Both kernels reproduce an
+OpenCV operation whose arithmetic differs between releases and CPUs; a :class:`Calibration` per
+kernel finds, at first use, the mode that reproduces the installed cv2 bit for bit, or none.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,8 +34,131 @@ def hwc3_reason(img: Any) -> str | None:
     return None
 
 
+class Calibration:
+    """Which arithmetic mode of the installed OpenCV a kernel reproduces on this CPU, found once per process.
+
+    ``search(module)`` runs every candidate mode on the calibration images and compares it bit for bit
+    with cv2; exactly one must match, otherwise the kernel is not used and the reason is kept (the
+    caller then runs upstream's code, bit-exact by construction).
+    """
+
+    def __init__(self, what: str, search: Callable[[Any], tuple[Any, str | None]]) -> None:
+        self.what = what
+        self._search = search
+        self._lock = threading.Lock()
+        self._mode: Any = None
+        self._failure: str | None = None
+        self._done = False
+
+    def get(self) -> tuple[Any, str | None]:
+        """(mode, None), or (None, why the kernel is not used)."""
+        if self._done:
+            return self._mode, self._failure
+        with self._lock:
+            if not self._done:
+                module = kernels.load()
+                if module is None:
+                    self._mode, self._failure = None, "kernel unavailable"
+                else:
+                    try:
+                        self._mode, self._failure = self._search(module)
+                    except Exception as exc:  # cv2 missing or broken: stay on upstream
+                        self._mode, self._failure = None, f"calibration failed: {type(exc).__name__}: {exc}"
+                    if self._failure:
+                        kernels.log.warning(f"{self.what} kernel not used", reason=self._failure,
+                                            opencv=_cv2_version())
+                    else:
+                        kernels.log.debug(f"OpenCV {self.what} arithmetic calibrated", mode=self._mode,
+                                          opencv=_cv2_version())
+                self._done = True
+        return self._mode, self._failure
+
+    def reset(self) -> None:
+        with self._lock:
+            self._mode, self._failure, self._done = None, None, False
+
+
+def _cv2_version() -> str:
+    cv2 = sys.modules.get("cv2")
+    return str(getattr(cv2, "__version__", "?"))
+
+
+def _unique(matches: list[Any], what: str) -> tuple[Any, str | None]:
+    if len(matches) == 1:
+        return matches[0], None
+    if not matches:
+        return None, f"no kernel mode reproduces OpenCV {_cv2_version()}'s {what} arithmetic"
+    return None, f"calibration ambiguous between {matches}"
+
+
 # ------------------------------------------------------------------------------------------------
 # imnormalize
+
+# How cv2.multiply scales a float32 image by mmcv's float64 1/std: 0 widens the product to double and
+# rounds once (OpenCV <= 5.0), 1 rounds the scalar to float32 and multiplies in float32 (5.1).
+NORM_PRODUCTS = (0, 1)
+_NORM_PARAMS = (  # mmcv's ImageNet defaults, identity-like, and values with no short binary form
+    (np.array([123.675, 116.28, 103.53]), np.array([58.395, 57.12, 57.375])),
+    (np.array([0.0, 0.0, 0.0]), np.array([255.0, 255.0, 255.0])),
+    (np.array([101.3, 7.77, 250.1]), np.array([3.3, 71.9, 0.7])),
+)
+
+
+# OpenCV 5.1 broadcasts mmcv's (1, 3) mean and 1/std against an image of these widths (each value over a
+# column, or a new (H, 3, 3) result that the in-place call drops) instead of taking them as a per-channel
+# scalar; the kernel leaves such images to upstream.
+BROADCAST_WIDTHS = (1, 3)
+
+
+def _norm_cases() -> list[tuple[np.ndarray, np.ndarray, np.ndarray, bool]]:
+    """Widths 2..40 (every split of a row into 8- and 16-pixel blocks and a tail), uint8 and float32."""
+    rng = np.random.default_rng(20261205)
+    cases = []
+    for width in (w for w in range(1, 41) if w not in BROADCAST_WIDTHS):
+        mean, std = _NORM_PARAMS[width % len(_NORM_PARAMS)]
+        u8 = rng.integers(0, 256, (2, width, 3), dtype=np.uint8)
+        f32 = (rng.random((2, width, 3)) * 255).astype(np.float32)
+        cases += [(u8, mean, std, bool(width % 2)), (f32, mean, std, not width % 2)]
+    return cases
+
+
+def _norm_reference(img: np.ndarray, mean: np.ndarray, std: np.ndarray, to_rgb: bool) -> np.ndarray:
+    """mmcv's imnormalize (1.x and 2.x alike), spelled out on the installed cv2."""
+    import cv2
+
+    out = img.copy().astype(np.float32)
+    m = np.float64(mean.reshape(1, -1))
+    stdinv = 1 / np.float64(std.reshape(1, -1))
+    if to_rgb:
+        cv2.cvtColor(out, cv2.COLOR_BGR2RGB, out)
+    cv2.subtract(out, m, out)
+    cv2.multiply(out, stdinv, out)
+    return out
+
+
+def _search_norm(module: Any) -> tuple[int | None, str | None]:
+    cases = [(img, mean, std, to_rgb, _norm_reference(img, mean, std, to_rgb))
+             for img, mean, std, to_rgb in _norm_cases()]
+    matches = []
+    for product in NORM_PRODUCTS:
+        for img, mean, std, to_rgb, ref in cases:
+            params = _norm_params(mean, std)
+            assert not isinstance(params, str)
+            out = np.empty(img.shape, np.float32)
+            module.imnormalize(img, out, params[0], params[1], to_rgb, product, 1)
+            if not np.array_equal(out.view(np.uint32), ref.view(np.uint32)):
+                break
+        else:
+            matches.append(product)
+    return _unique(matches, "float32 subtract/multiply")
+
+
+NORM = Calibration("imnormalize", _search_norm)
+
+
+def norm_mode() -> tuple[int | None, str | None]:
+    """The calibrated product mode for this process (computed once; a few milliseconds)."""
+    return NORM.get()
 
 
 def _norm_params(mean: Any, std: Any) -> tuple[tuple[float, ...], tuple[float, ...]] | str:
@@ -46,19 +173,33 @@ def _norm_params(mean: Any, std: Any) -> tuple[tuple[float, ...], tuple[float, .
     return tuple(m.astype(np.float32).ravel().tolist()), tuple(stdinv.ravel().tolist())
 
 
+def _norm_args(img: Any, mean: Any, std: Any, inplace: bool) -> tuple[Any, Any, int] | str:
+    """(mean, 1/std, product mode) for the kernel, or why it does not take this call."""
+    why = hwc3_reason(img)
+    if why is None and img.shape[1] in BROADCAST_WIDTHS:
+        why = f"width {img.shape[1]}: OpenCV 5.1 broadcasts the mean over the columns"
+    if why is None and inplace and img.dtype != np.float32:
+        why = f"in-place on {img.dtype}"
+    if why is None and inplace and not (img.flags.c_contiguous and img.flags.writeable):
+        why = "in-place on a non-contiguous or read-only image"
+    params = _norm_params(mean, std) if why is None else why
+    if isinstance(params, str):
+        return params
+    product, failure = NORM.get()
+    if product is None:
+        return failure or "kernel unavailable"
+    return params[0], params[1], product
+
+
 def imnormalize(img: Any, mean: Any, std: Any, to_rgb: Any) -> tuple[np.ndarray | None, str]:
     module = kernels.load()
     if module is None:
         return None, "kernel unavailable"
-    why = hwc3_reason(img)
-    params = _norm_params(mean, std)
-    if why is None and isinstance(params, str):
-        why = params
-    if why is not None:
-        return None, why
-    assert not isinstance(params, str)
+    args = _norm_args(img, mean, std, inplace=False)
+    if isinstance(args, str):
+        return None, args
     out = np.empty(img.shape, np.float32)
-    module.imnormalize(img, out, params[0], params[1], bool(to_rgb), 1)
+    module.imnormalize(img, out, args[0], args[1], bool(to_rgb), args[2], 1)
     return out, ""
 
 
@@ -66,31 +207,20 @@ def imnormalize_(img: Any, mean: Any, std: Any, to_rgb: Any) -> tuple[np.ndarray
     module = kernels.load()
     if module is None:
         return None, "kernel unavailable"
-    why = hwc3_reason(img)
-    if why is None and img.dtype != np.float32:
-        why = f"in-place on {img.dtype}"
-    if why is None and not (img.flags.c_contiguous and img.flags.writeable):
-        why = "in-place on a non-contiguous or read-only image"
-    params = _norm_params(mean, std)
-    if why is None and isinstance(params, str):
-        why = params
-    if why is not None:
-        return None, why
-    assert not isinstance(params, str)
-    module.imnormalize(img, img, params[0], params[1], bool(to_rgb), 1)
+    args = _norm_args(img, mean, std, inplace=True)
+    if isinstance(args, str):
+        return None, args
+    module.imnormalize(img, img, args[0], args[1], bool(to_rgb), args[2], 1)
     return img, ""
 
 
 # ------------------------------------------------------------------------------------------------
 # PhotoMetricDistortion
 
-# Preference order only matters if calibration were ambiguous (then nothing is chosen).
+# (lanes, simd_fma, simd_contract, tail_contract, overlap): see HsvMode in cpu/distortion.h. The order
+# only matters if calibration were ambiguous (then nothing is chosen).
 _LANES = (8, 16, 4)
-_MODES = [(lanes, *flags) for lanes in _LANES for flags in itertools.product((True, False), repeat=3)]
-_hsv_lock = threading.Lock()
-_hsv_mode: tuple[int, bool, bool, bool] | None = None
-_hsv_failure: str | None = None
-_hsv_done = False
+_MODES = [(lanes, *flags) for lanes in _LANES for flags in itertools.product((True, False), repeat=4)]
 
 
 def _calibration_cases() -> list[tuple[np.ndarray, dict[str, Any]]]:
@@ -132,12 +262,7 @@ def _reference(img: np.ndarray, p: dict[str, Any]) -> np.ndarray:
     return x
 
 
-def calibrate_hsv(module: Any) -> tuple[tuple[int, bool, bool, bool] | None, str | None]:
-    """Find how the installed OpenCV computes float HSV on this CPU (SIMD width, fused ops).
-
-    Every candidate is run on the calibration images and compared bit for bit with cv2; exactly
-    one must match, otherwise the distortion kernel is not used (reason returned).
-    """
+def _search_hsv(module: Any) -> tuple[tuple[int, bool, bool, bool, bool] | None, str | None]:
     cases = [(img, p, _reference(img, p)) for img, p in _calibration_cases()]
     matches = []
     for mode in _MODES:
@@ -149,40 +274,20 @@ def calibrate_hsv(module: Any) -> tuple[tuple[int, bool, bool, bool] | None, str
                 break
         else:
             matches.append(mode)
-    if len(matches) == 1:
-        return matches[0], None
-    if not matches:
-        return None, "no kernel mode reproduces this OpenCV build's HSV arithmetic"
-    return None, f"calibration ambiguous between {matches}"
+    return _unique(matches, "float HSV")
 
 
-def hsv_mode() -> tuple[tuple[int, bool, bool, bool] | None, str | None]:
+HSV = Calibration("distortion", _search_hsv)
+
+
+def hsv_mode() -> tuple[tuple[int, bool, bool, bool, bool] | None, str | None]:
     """The calibrated HSV mode for this process (computed once; a few milliseconds)."""
-    global _hsv_mode, _hsv_failure, _hsv_done
-    if _hsv_done:
-        return _hsv_mode, _hsv_failure
-    with _hsv_lock:
-        if not _hsv_done:
-            module = kernels.load()
-            if module is None:
-                _hsv_mode, _hsv_failure = None, "kernel unavailable"
-            else:
-                try:
-                    _hsv_mode, _hsv_failure = calibrate_hsv(module)
-                except Exception as exc:  # cv2 missing or broken: stay on upstream
-                    _hsv_mode, _hsv_failure = None, f"calibration failed: {type(exc).__name__}: {exc}"
-                if _hsv_failure:
-                    kernels.log.warning("distortion kernel not used", reason=_hsv_failure)
-                else:
-                    kernels.log.debug("OpenCV HSV arithmetic calibrated", mode=_hsv_mode)
-            _hsv_done = True
-    return _hsv_mode, _hsv_failure
+    return HSV.get()
 
 
 def reset_calibration() -> None:
-    global _hsv_mode, _hsv_failure, _hsv_done
-    with _hsv_lock:
-        _hsv_mode, _hsv_failure, _hsv_done = None, None, False
+    HSV.reset()
+    NORM.reset()
 
 
 def distort(img: Any, delta: float, alpha_pre: float, sat: float, clip_sat: bool, hue: float,

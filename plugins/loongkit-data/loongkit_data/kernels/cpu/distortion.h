@@ -6,12 +6,14 @@
 // passed as neutral values (x + 0, x * 1), which are exact identities for the values that reach
 // them (the Python side sends float inputs holding -0, inf or NaN to upstream).
 //
-// OpenCV's float HSV conversions run a SIMD body over the first (width / lanes) * lanes pixels of
-// each row and a scalar loop over the rest, with different formulas (division in float vs double,
-// truncating vs flooring sector selection, explicit or compiler-contracted fused multiply-adds).
-// Both are reproduced operation by operation; which lane count and which contractions the
-// installed OpenCV build uses on this CPU is a runtime HsvMode, chosen by calibrating against
-// cv2 itself (see loongkit_data/distortion.py). The file is compiled with -ffp-contract=off, so the
+// OpenCV's float HSV conversions run a SIMD body and a scalar loop with different formulas
+// (division in float vs double, truncating vs flooring sector selection, explicit or
+// compiler-contracted fused multiply-adds). Up to 5.0 the SIMD body takes the first
+// (width / lanes) * lanes pixels of each row and the scalar loop the rest; from 5.1 a row of at
+// least one vector is all SIMD body (its last vector overlaps the one before), a shorter row all scalar.
+// Both are reproduced operation by operation; which lane count, which contractions and which row
+// ending the installed OpenCV build uses on this CPU is a runtime HsvMode, chosen by calibrating
+// against cv2 itself (kernels/ops.py). The file is compiled with -ffp-contract=off, so the
 // only fused operations are the std::fma calls below.
 #pragma once
 
@@ -34,6 +36,7 @@ struct HsvMode {
     bool simd_fma;      // v_muladd is a fused multiply-add
     bool simd_contract; // v_sub(1, v_mul(s, h)) contracted into one fused op by the compiler
     bool tail_contract; // the scalar tail's a*b + c contracted likewise
+    bool overlap;       // a row of >= lanes pixels is all SIMD body (OpenCV 5.1's overlapping last vector)
 };
 
 static inline float fmin_sse(float a, float b) { return a < b ? a : b; }  // _mm_min_ps(a, b)
@@ -329,9 +332,10 @@ static inline void distort_blocks(const T* src, float* dst, std::ptrdiff_t n, co
 // One row: src pixels are 3 adjacent values of T (row-contiguous), dst is float32 contiguous.
 template <typename T, bool kFma, bool kSimdContract, bool kTailContract>
 static void distort_row(const T* __restrict__ src, float* __restrict__ dst, std::ptrdiff_t width, int lanes,
-                        const DistortParams& params) {
+                        bool overlap, const DistortParams& params) {
     const DistortParams p = params;  // a local copy: dst cannot alias it, so the loop vectorizes
-    const std::ptrdiff_t nsimd = lanes > 0 ? (width / lanes) * lanes : 0;
+    // Pixels are independent: a pixel OpenCV computes twice (the overlap) gets the same value twice.
+    const std::ptrdiff_t nsimd = lanes <= 0 || width < lanes ? 0 : (overlap ? width : (width / lanes) * lanes);
     const float d = p.delta, a0 = p.alpha_pre, a1 = p.alpha_post;
     std::ptrdiff_t i0 = 0;
 #ifdef LOONGKIT_AVX2
@@ -367,11 +371,11 @@ static void distort_row(const T* __restrict__ src, float* __restrict__ dst, std:
     if (p.perm[0] != 0 || p.perm[1] != 1 || p.perm[2] != 2) permute_row(dst + 3 * i0, width - i0, p.perm);
 }
 
-using RowFn = void (*)(const void*, float*, std::ptrdiff_t, int, const DistortParams&);
+using RowFn = void (*)(const void*, float*, std::ptrdiff_t, int, bool, const DistortParams&);
 
 template <typename T, bool A, bool B, bool C>
-static void row_thunk(const void* s, float* d, std::ptrdiff_t w, int lanes, const DistortParams& p) {
-    distort_row<T, A, B, C>(static_cast<const T*>(s), d, w, lanes, p);
+static void row_thunk(const void* s, float* d, std::ptrdiff_t w, int lanes, bool overlap, const DistortParams& p) {
+    distort_row<T, A, B, C>(static_cast<const T*>(s), d, w, lanes, overlap, p);
 }
 
 template <typename T>

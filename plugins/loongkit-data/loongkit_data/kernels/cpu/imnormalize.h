@@ -1,6 +1,9 @@
 // Bit-exact mmcv.imnormalize: img.astype(float32); optional BGR<->RGB swap; cv2.subtract with the
-// mean in float32; cv2.multiply by 1/std in float64 (OpenCV widens a float32 * double-scalar
-// product to double and rounds once to float32). One pass: read the input once, write once.
+// mean in float32; cv2.multiply by 1/std. How OpenCV multiplies a float32 image by a double scalar
+// is the product mode: up to 5.0 it widens the product to double and rounds once to float32
+// (kWiden); 5.1 rounds the scalar to float32 and multiplies in float32 (kF32). Which one the
+// installed cv2 does is calibrated at first use (kernels/ops.py). One pass: read the input once,
+// write once.
 //
 // Built with -ffp-contract=off: a fused multiply-add anywhere would change the last bit.
 #pragma once
@@ -12,43 +15,54 @@ namespace loongkit::LK_ISA {
 struct NormParams {
     float mean[3];     // saturate_cast<float>(double mean): what cv2.subtract uses for a float32 image
     double stdinv[3];  // 1 / float64(std), computed in Python exactly as mmcv does
+    float stdinv_f[3]; // the same rounded to float32 (the kF32 product's scalar)
+    bool f32 = false;  // product mode kF32 (else kWiden)
 };
+
+// One output value in each product mode.
+template <bool kF32>
+static inline float norm1(float c, float m, double k, float kf) {
+    if constexpr (kF32) return (c - m) * kf;
+    return static_cast<float>(static_cast<double>(c - m) * k);
+}
 
 // One row of pixel-contiguous input (3 channels, adjacent). Templated so that the loop body has no
 // branches and the compiler can vectorize the stride-3 groups.
-template <typename T, bool kSwap>
+template <typename T, bool kSwap, bool kF32>
 static inline void normalize_row(const T* __restrict__ src, float* __restrict__ dst, std::ptrdiff_t width,
                                  const NormParams& p) {
     const float m0 = p.mean[0], m1 = p.mean[1], m2 = p.mean[2];
     const double k0 = p.stdinv[0], k1 = p.stdinv[1], k2 = p.stdinv[2];
+    const float f0 = p.stdinv_f[0], f1 = p.stdinv_f[1], f2 = p.stdinv_f[2];
     for (std::ptrdiff_t i = 0; i < width; ++i) {
         const float c0 = static_cast<float>(src[3 * i + (kSwap ? 2 : 0)]);
         const float c1 = static_cast<float>(src[3 * i + 1]);
         const float c2 = static_cast<float>(src[3 * i + (kSwap ? 0 : 2)]);
-        dst[3 * i + 0] = static_cast<float>(static_cast<double>(c0 - m0) * k0);
-        dst[3 * i + 1] = static_cast<float>(static_cast<double>(c1 - m1) * k1);
-        dst[3 * i + 2] = static_cast<float>(static_cast<double>(c2 - m2) * k2);
+        dst[3 * i + 0] = norm1<kF32>(c0, m0, k0, f0);
+        dst[3 * i + 1] = norm1<kF32>(c1, m1, k1, f1);
+        dst[3 * i + 2] = norm1<kF32>(c2, m2, k2, f2);
     }
 }
 
 // In place on float32 (mmcv.imnormalize_): same arithmetic, source and destination are one buffer,
 // so no __restrict__; each pixel is read whole before it is written.
-template <bool kSwap>
+template <bool kSwap, bool kF32>
 static inline void normalize_row_inplace(float* row, std::ptrdiff_t width, const NormParams& p) {
     const float m0 = p.mean[0], m1 = p.mean[1], m2 = p.mean[2];
     const double k0 = p.stdinv[0], k1 = p.stdinv[1], k2 = p.stdinv[2];
+    const float f0 = p.stdinv_f[0], f1 = p.stdinv_f[1], f2 = p.stdinv_f[2];
     for (std::ptrdiff_t i = 0; i < width; ++i) {
         const float c0 = row[3 * i + (kSwap ? 2 : 0)];
         const float c1 = row[3 * i + 1];
         const float c2 = row[3 * i + (kSwap ? 0 : 2)];
-        row[3 * i + 0] = static_cast<float>(static_cast<double>(c0 - m0) * k0);
-        row[3 * i + 1] = static_cast<float>(static_cast<double>(c1 - m1) * k1);
-        row[3 * i + 2] = static_cast<float>(static_cast<double>(c2 - m2) * k2);
+        row[3 * i + 0] = norm1<kF32>(c0, m0, k0, f0);
+        row[3 * i + 1] = norm1<kF32>(c1, m1, k1, f1);
+        row[3 * i + 2] = norm1<kF32>(c2, m2, k2, f2);
     }
 }
 
 // Any byte strides (crops, flips, transposed views): gather one pixel at a time.
-template <typename T>
+template <typename T, bool kF32>
 static inline void normalize_row_strided(const char* src, std::ptrdiff_t sx, std::ptrdiff_t sc, float* dst,
                                          std::ptrdiff_t width, bool swap, const NormParams& p) {
     const int a = swap ? 2 : 0, b = swap ? 0 : 2;
@@ -56,9 +70,9 @@ static inline void normalize_row_strided(const char* src, std::ptrdiff_t sx, std
         const float c0 = static_cast<float>(*reinterpret_cast<const T*>(src + a * sc));
         const float c1 = static_cast<float>(*reinterpret_cast<const T*>(src + sc));
         const float c2 = static_cast<float>(*reinterpret_cast<const T*>(src + b * sc));
-        dst[0] = static_cast<float>(static_cast<double>(c0 - p.mean[0]) * p.stdinv[0]);
-        dst[1] = static_cast<float>(static_cast<double>(c1 - p.mean[1]) * p.stdinv[1]);
-        dst[2] = static_cast<float>(static_cast<double>(c2 - p.mean[2]) * p.stdinv[2]);
+        dst[0] = norm1<kF32>(c0, p.mean[0], p.stdinv[0], p.stdinv_f[0]);
+        dst[1] = norm1<kF32>(c1, p.mean[1], p.stdinv[1], p.stdinv_f[1]);
+        dst[2] = norm1<kF32>(c2, p.mean[2], p.stdinv[2], p.stdinv_f[2]);
     }
 }
 
@@ -66,7 +80,7 @@ static inline void normalize_row_strided(const char* src, std::ptrdiff_t sx, std
 // the per-channel mean and 1/std laid out as 3-periodic vectors, so nothing is deinterleaved. Each
 // lane does the scalar sequence: float32 subtract, widen to double, double multiply, one rounding
 // to float32 (vsubps / vcvtps2pd / vmulpd / vcvtpd2ps are the same IEEE operations as their scalar
-// forms, under the same MXCSR).
+// forms, under the same MXCSR); in product mode kF32, float32 subtract and float32 multiply.
 //
 // uint8 input has a faster exact route (split): the product without leaving float32,
 // d * (khi + klo) with the rounding error of d * khi recovered by a fused multiply-subtract, then
@@ -85,8 +99,11 @@ struct NormVec {
     __m512 mean[3];
     __m512d k[6];
     __m512 khi[3], klo[3];  // float32 split of 1/std: khi = (float)k, klo = (float)(k - khi)
+    __m512 kf[3];           // 1/std rounded to float32 (product mode kF32)
     bool split = false;     // uint8 input may take the split route (set by the caller)
 };
+
+static inline __m512 norm_vec_f32(__m512 x, __m512 m, __m512 kf) { return _mm512_mul_ps(_mm512_sub_ps(x, m), kf); }
 
 static inline __m512 norm_vec_exact(__m512 x, __m512 m, __m512d ka, __m512d kb) {
     const __m512 d = _mm512_sub_ps(x, m);
@@ -121,11 +138,12 @@ static inline __m512 load_vec(const std::uint8_t* p) {
 static inline void store_vec(float* o, __m512 x) { _mm512_storeu_ps(o, x); }
 
 static inline NormVec norm_vec(const NormParams& p) {
-    alignas(64) float m[48], hi[48], lo[48];
+    alignas(64) float m[48], hi[48], lo[48], kf[48];
     alignas(64) double k[48];
     for (int v = 0; v < 48; ++v) {
         m[v] = p.mean[v % 3];
         k[v] = p.stdinv[v % 3];
+        kf[v] = p.stdinv_f[v % 3];
         hi[v] = static_cast<float>(k[v]);
         lo[v] = static_cast<float>(k[v] - static_cast<double>(hi[v]));
     }
@@ -134,6 +152,7 @@ static inline NormVec norm_vec(const NormParams& p) {
         n.mean[i] = _mm512_load_ps(m + 16 * i);
         n.khi[i] = _mm512_load_ps(hi + 16 * i);
         n.klo[i] = _mm512_load_ps(lo + 16 * i);
+        n.kf[i] = _mm512_load_ps(kf + 16 * i);
     }
     for (int i = 0; i < 6; ++i) n.k[i] = _mm512_load_pd(k + 8 * i);
     return n;
@@ -147,6 +166,7 @@ struct NormVec {
     __m256 mean[3];
     __m256d k[6];
     __m256 khi[3], klo[3];
+    __m256 kf[3];
     __m256i swap[3];  // uint8 to_rgb: byte shuffle of a 16-byte load at 4K -> values 8K..8K+7 (int32)
     bool split = false;
 };
@@ -157,6 +177,8 @@ static inline __m256 norm_vec_exact(__m256 x, __m256 m, __m256d ka, __m256d kb) 
     const __m128 hi = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(d, 1)), kb));
     return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
 }
+
+static inline __m256 norm_vec_f32(__m256 x, __m256 m, __m256 kf) { return _mm256_mul_ps(_mm256_sub_ps(x, m), kf); }
 
 static inline __m256 norm_vec_split(__m256 x, __m256 m, __m256 khi, __m256 klo) {
     const __m256 d = _mm256_sub_ps(x, m);
@@ -187,12 +209,13 @@ static inline __m256 load_vec(const float* p, const NormVec&) {
 static inline void store_vec(float* o, __m256 x) { _mm256_storeu_ps(o, x); }
 
 static inline NormVec norm_vec(const NormParams& p) {
-    alignas(32) float m[24], hi[24], lo[24];
+    alignas(32) float m[24], hi[24], lo[24], kf[24];
     alignas(32) double k[24];
     alignas(32) std::int8_t sh[3][32];
     for (int v = 0; v < 24; ++v) {
         m[v] = p.mean[v % 3];
         k[v] = p.stdinv[v % 3];
+        kf[v] = p.stdinv_f[v % 3];
         hi[v] = static_cast<float>(k[v]);
         lo[v] = static_cast<float>(k[v] - static_cast<double>(hi[v]));
         const int kk = v / 8, q = v % 8;
@@ -205,6 +228,7 @@ static inline NormVec norm_vec(const NormParams& p) {
         n.mean[i] = _mm256_load_ps(m + 8 * i);
         n.khi[i] = _mm256_load_ps(hi + 8 * i);
         n.klo[i] = _mm256_load_ps(lo + 8 * i);
+        n.kf[i] = _mm256_load_ps(kf + 8 * i);
         n.swap[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(sh[i]));
     }
     for (int i = 0; i < 6; ++i) n.k[i] = _mm256_load_pd(k + 4 * i);
@@ -221,7 +245,9 @@ static inline NormVec norm_vec(const NormParams& p) {
 // Pixels [i0, i1) of a row, i1 - i0 a multiple of kBlock. src may equal dst (in place): a block's
 // loads all happen before its stores, and values read outside the block (AVX2 float to_rgb) are
 // in lanes the blend discards or in the next, not yet written, block.
-template <typename T, bool kSwap, bool kSplit>
+enum class Route { kWiden, kSplit, kF32 };
+
+template <typename T, bool kSwap, Route R>
 static inline void normalize_blocks(const T* src, float* dst, std::ptrdiff_t i0, std::ptrdiff_t i1,
                                     const NormVec& n) {
     constexpr std::ptrdiff_t L = kBlock;  // values per vector
@@ -229,7 +255,11 @@ static inline void normalize_blocks(const T* src, float* dst, std::ptrdiff_t i0,
         const T* s = src + 3 * i;
         const auto x0 = LK_LOAD(0), x1 = LK_LOAD(1), x2 = LK_LOAD(2);
         float* o = dst + 3 * i;
-        if (kSplit) {
+        if constexpr (R == Route::kF32) {
+            store_vec(o, norm_vec_f32(x0, n.mean[0], n.kf[0]));
+            store_vec(o + L, norm_vec_f32(x1, n.mean[1], n.kf[1]));
+            store_vec(o + 2 * L, norm_vec_f32(x2, n.mean[2], n.kf[2]));
+        } else if constexpr (R == Route::kSplit) {
             store_vec(o, norm_vec_split(x0, n.mean[0], n.khi[0], n.klo[0]));
             store_vec(o + L, norm_vec_split(x1, n.mean[1], n.khi[1], n.klo[1]));
             store_vec(o + 2 * L, norm_vec_split(x2, n.mean[2], n.khi[2], n.klo[2]));
@@ -248,8 +278,8 @@ static inline bool norm_split_exact(const NormVec& n) {
     alignas(64) std::uint8_t grey[256 * 3];
     alignas(64) float a[256 * 3], b[256 * 3];
     for (int i = 0; i < 256 * 3; ++i) grey[i] = static_cast<std::uint8_t>(i / 3);
-    normalize_blocks<std::uint8_t, false, false>(grey, a, 0, 256, n);
-    normalize_blocks<std::uint8_t, false, true>(grey, b, 0, 256, n);
+    normalize_blocks<std::uint8_t, false, Route::kWiden>(grey, a, 0, 256, n);
+    normalize_blocks<std::uint8_t, false, Route::kSplit>(grey, b, 0, 256, n);
     return std::memcmp(a, b, sizeof(a)) == 0;
 }
 #else
@@ -260,7 +290,7 @@ static inline NormVec norm_vec(const NormParams&) { return {}; }
 #endif
 
 // A pixel-contiguous row, out of place (src != dst) or in place (float32, src == dst).
-template <typename T, bool kSwap>
+template <typename T, bool kSwap, bool kF32>
 static inline void normalize_row_fast(const T* src, float* dst, std::ptrdiff_t width, const NormParams& p,
                                       [[maybe_unused]] const NormVec& n) {
     std::ptrdiff_t i0 = 0, i1 = 0;
@@ -276,20 +306,20 @@ static inline void normalize_row_fast(const T* src, float* dst, std::ptrdiff_t w
     auto scalar = [&](std::ptrdiff_t a, std::ptrdiff_t b) {
         if (a >= b) return;
         if constexpr (sizeof(T) == 4) {
-            if (inplace) return normalize_row_inplace<kSwap>(dst + 3 * a, b - a, p);
+            if (inplace) return normalize_row_inplace<kSwap, kF32>(dst + 3 * a, b - a, p);
         }
-        normalize_row<T, kSwap>(src + 3 * a, dst + 3 * a, b - a, p);
+        normalize_row<T, kSwap, kF32>(src + 3 * a, dst + 3 * a, b - a, p);
     };
     if (i1 == i0) return scalar(0, width);
     scalar(0, i0);
 #ifdef LOONGKIT_AVX2
-    if constexpr (sizeof(T) == 1) {
-        if (n.split)
-            normalize_blocks<T, kSwap, true>(src, dst, i0, i1, n);
+    if constexpr (sizeof(T) == 1 || kFloatBlocks) {
+        if constexpr (kF32)
+            normalize_blocks<T, kSwap, Route::kF32>(src, dst, i0, i1, n);
+        else if (sizeof(T) == 1 && n.split)
+            normalize_blocks<T, kSwap, Route::kSplit>(src, dst, i0, i1, n);
         else
-            normalize_blocks<T, kSwap, false>(src, dst, i0, i1, n);
-    } else if constexpr (kFloatBlocks) {
-        normalize_blocks<T, kSwap, false>(src, dst, i0, i1, n);
+            normalize_blocks<T, kSwap, Route::kWiden>(src, dst, i0, i1, n);
     }
 #endif
     scalar(i1, width);

@@ -3,6 +3,8 @@
 #include "imnormalize.h"
 #include "kernels.h"
 
+#include <type_traits>
+
 namespace loongkit::LK_ISA {
 namespace {
 
@@ -33,13 +35,16 @@ float* out_f32(const View& d, const View& s) {
     return static_cast<float*>(d.data_ptr());
 }
 
-NormParams norm_params(const std::vector<double>& mean, const std::vector<double>& stdinv) {
+NormParams norm_params(const std::vector<double>& mean, const std::vector<double>& stdinv, int64_t product) {
     LK_CHECK(mean.size() == 3 && stdinv.size() == 3, "mean and stdinv take 3 values");
+    LK_CHECK(product == 0 || product == 1, "product mode is 0 (widen to double) or 1 (float32)");
     NormParams p{};
     for (int c = 0; c < 3; ++c) {
         p.mean[c] = static_cast<float>(mean[c]);  // float32 values already (Python rounds them)
         p.stdinv[c] = stdinv[c];
+        p.stdinv_f[c] = static_cast<float>(stdinv[c]);
     }
+    p.f32 = product == 1;
     return p;
 }
 
@@ -60,13 +65,14 @@ void for_rows(std::ptrdiff_t rows, int64_t threads, F&& body) {
 
 }  // namespace
 
-// imnormalize(src, dst, mean_f32[3], stdinv_f64[3], to_rgb, threads); src may be dst (imnormalize_).
+// imnormalize(src, dst, mean_f32[3], stdinv_f64[3], to_rgb, product, threads); src may be dst (imnormalize_);
+// product: 0 widens (c - mean) * stdinv to double (OpenCV <= 5.0), 1 multiplies in float32 (5.1).
 void imnormalize(const View& s, const View& d, const std::vector<double>& mean, const std::vector<double>& stdinv,
-                 bool to_rgb, int64_t threads) {
+                 bool to_rgb, int64_t product, int64_t threads) {
     check_hwc3(s, "src");
     const Dtype dt = dtype_of(s);
     float* out = out_f32(d, s);
-    const NormParams p = norm_params(mean, stdinv);
+    const NormParams p = norm_params(mean, stdinv, product);
     const std::ptrdiff_t h = s.size(0), w = s.size(1);
     const auto* base = static_cast<const char*>(s.data_ptr());
     const std::ptrdiff_t sy = s.byte_stride(0), sx = s.byte_stride(1), sc = s.byte_stride(2);
@@ -76,30 +82,35 @@ void imnormalize(const View& s, const View& d, const std::vector<double>& mean, 
     const bool fast = pixel_contiguous(s);
     NormVec n = norm_vec(p);
 #ifdef LOONGKIT_AVX2
-    n.split = fast && dt == Dtype::U8 && norm_split_exact(n);  // ~1 us, per call: params vary
+    n.split = fast && dt == Dtype::U8 && !p.f32 && norm_split_exact(n);  // ~1 us, per call: params vary
 #endif
-    for_rows(h, threads, [&](std::ptrdiff_t y) {
-        const char* row = base + y * sy;
-        float* o = out + y * w * 3;
-        if (fast && dt == Dtype::U8) {
-            const auto* r = reinterpret_cast<const std::uint8_t*>(row);
-            to_rgb ? normalize_row_fast<std::uint8_t, true>(r, o, w, p, n)
-                   : normalize_row_fast<std::uint8_t, false>(r, o, w, p, n);
-        } else if (fast) {  // in place too (row == o)
-            const auto* r = reinterpret_cast<const float*>(row);
-            to_rgb ? normalize_row_fast<float, true>(r, o, w, p, n) : normalize_row_fast<float, false>(r, o, w, p, n);
-        } else if (dt == Dtype::U8) {
-            normalize_row_strided<std::uint8_t>(row, sx, sc, o, w, to_rgb, p);
-        } else {
-            normalize_row_strided<float>(row, sx, sc, o, w, to_rgb, p);
-        }
-    });
+    auto rows = [&](auto f32) {
+        constexpr bool kF32 = decltype(f32)::value;
+        for_rows(h, threads, [&](std::ptrdiff_t y) {
+            const char* row = base + y * sy;
+            float* o = out + y * w * 3;
+            if (fast && dt == Dtype::U8) {
+                const auto* r = reinterpret_cast<const std::uint8_t*>(row);
+                to_rgb ? normalize_row_fast<std::uint8_t, true, kF32>(r, o, w, p, n)
+                       : normalize_row_fast<std::uint8_t, false, kF32>(r, o, w, p, n);
+            } else if (fast) {  // in place too (row == o)
+                const auto* r = reinterpret_cast<const float*>(row);
+                to_rgb ? normalize_row_fast<float, true, kF32>(r, o, w, p, n)
+                       : normalize_row_fast<float, false, kF32>(r, o, w, p, n);
+            } else if (dt == Dtype::U8) {
+                normalize_row_strided<std::uint8_t, kF32>(row, sx, sc, o, w, to_rgb, p);
+            } else {
+                normalize_row_strided<float, kF32>(row, sx, sc, o, w, to_rgb, p);
+            }
+        });
+    };
+    p.f32 ? rows(std::true_type{}) : rows(std::false_type{});
 }
 
 // imnormalize_split(mean_f32[3], stdinv_f64[3]) -> bool: whether uint8 input takes the float32-only
 // product for these parameters (its exhaustive check passed); false in the baseline build.
 bool imnormalize_split(const std::vector<double>& mean, const std::vector<double>& stdinv) {
-    [[maybe_unused]] const NormParams p = norm_params(mean, stdinv);
+    [[maybe_unused]] const NormParams p = norm_params(mean, stdinv, 0);
 #ifdef LOONGKIT_AVX2
     return norm_split_exact(norm_vec(p));
 #else
@@ -115,13 +126,13 @@ bool distort(const View& s, const View& d, float delta, float alpha_pre, float s
     const Dtype dt = dtype_of(s);
     float* out = out_f32(d, s);
     LK_CHECK(pixel_contiguous(s), "src pixels must be contiguous");
-    LK_CHECK(perm.size() == 3 && mode.size() == 4, "perm takes 3 values, mode 4");
+    LK_CHECK(perm.size() == 3 && mode.size() == 5, "perm takes 3 values, mode 5");
     DistortParams p{delta, alpha_pre, sat, clip_sat, hue, alpha_post, {0, 1, 2}};
     for (int c = 0; c < 3; ++c) {
         LK_CHECK(perm[c] >= 0 && perm[c] <= 2, "perm must hold 0, 1, 2");
         p.perm[c] = static_cast<int>(perm[c]);
     }
-    const HsvMode m{static_cast<int>(mode[0]), mode[1] != 0, mode[2] != 0, mode[3] != 0};
+    const HsvMode m{static_cast<int>(mode[0]), mode[1] != 0, mode[2] != 0, mode[3] != 0, mode[4] != 0};
     const RowFn fn = dt == Dtype::U8 ? pick_row<std::uint8_t>(m) : pick_row<float>(m);
     const std::ptrdiff_t h = s.size(0), w = s.size(1), sy = s.byte_stride(0);
     const auto* base = static_cast<const char*>(s.data_ptr());
@@ -129,7 +140,7 @@ bool distort(const View& s, const View& d, float delta, float alpha_pre, float s
         for (std::ptrdiff_t y = 0; y < h; ++y)
             if (!float_row_plain(reinterpret_cast<const float*>(base + y * sy), 3 * w)) return false;
     }
-    for_rows(h, threads, [&](std::ptrdiff_t y) { fn(base + y * sy, out + y * w * 3, w, m.lanes, p); });
+    for_rows(h, threads, [&](std::ptrdiff_t y) { fn(base + y * sy, out + y * w * 3, w, m.lanes, m.overlap, p); });
     return true;
 }
 
