@@ -91,6 +91,9 @@ def test_imnormalize_bit_exact(kernel: Any, dtype: Any, to_rgb: bool) -> None:
         std = rng.uniform(1, 80, 3).astype(np.float32)
         for img in views(random_image(rng, h_, w, dtype)):
             ours, why = ops.imnormalize(img, mean, std, to_rgb)
+            if img.shape[1] in ops.BROADCAST_WIDTHS:  # upstream's own call: the wrapper falls back
+                assert ours is None and why.startswith(f"width {img.shape[1]}"), why
+                continue
             assert ours is not None, why
             bad += mismatches(ours, upstream(img, mean, std, to_rgb))
             assert img.dtype == dtype
@@ -109,6 +112,9 @@ def test_imnormalize_inplace_bit_exact(kernel: Any) -> None:
         theirs = upstream(img.copy(), mean, std, bool(w % 2))
         mine = img.copy()
         out, why = ops.imnormalize_(mine, mean, std, bool(w % 2))
+        if mine.shape[1] in ops.BROADCAST_WIDTHS:
+            assert out is None, why
+            continue
         assert out is mine, why
         bad += mismatches(mine, theirs)
     assert bad == 0, f"seed {SEED}"
