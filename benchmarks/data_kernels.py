@@ -10,7 +10,9 @@ Lines:
   BENCH distortion_<WxH> baseline=<mmdet 3.x transform s> ours=<patched transform s> ratio=...
 Distortion runs with every step on (brightness, contrast, saturation, hue, swap): the slowest path.
 Each number is the median of repeated runs on a fresh random uint8 image; the first (build) call is
-excluded and reported once as BUILD.
+excluded and reported once as BUILD. Before a case is timed, ours must have run (not fallen back: the
+kernel's calibration against this cv2 found no mode, or it declined the input) and given upstream's
+bits; otherwise the case prints ``SKIP <name>: <reason>`` and no BENCH line.
 """
 
 from __future__ import annotations
@@ -23,6 +25,20 @@ import numpy as np
 from _timing import bench_line, median_time
 
 SIZES = ((1600, 900), (1333, 800), (640, 480))
+
+
+def checked(name: str, result: tuple[np.ndarray | None, str], expected: np.ndarray) -> bool:
+    """Whether ours ran and matched upstream bit for bit; a SKIP line saying why not otherwise."""
+    out, why = result
+    if out is None:
+        print(f"SKIP {name}: the kernel fell back to upstream ({why})", flush=True)
+        return False
+    expected = np.ascontiguousarray(expected)
+    if out.dtype != expected.dtype or not np.array_equal(np.ascontiguousarray(out).view(np.uint8), expected.view(np.uint8)):
+        print(f"SKIP {name}: the kernel's result differs from upstream's", flush=True)
+        return False
+    return True
+
 
 
 def main() -> int:
@@ -52,6 +68,9 @@ def main() -> int:
     std = np.array([58.395, 57.12, 57.375], np.float32)
     for w, h in SIZES:
         img = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        if not checked(f"imnormalize_{w}x{h}", ops.imnormalize(img, mean, std, True),
+                       photometric.imnormalize(img, mean, std, True)):
+            continue
         base = median_time(lambda img=img: photometric.imnormalize(img, mean, std, True), repeat, warmup=1)
         ours = median_time(lambda img=img: ops.imnormalize(img, mean, std, True), repeat, warmup=1)
         floor = median_time(lambda img=img: img.astype(np.float32), repeat, warmup=1)
@@ -65,6 +84,9 @@ def main() -> int:
     assert params is not None
     for w, h in SIZES:
         img = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        if not checked(f"distortion_{w}x{h}", ops.distort(img, **params),
+                       PhotoMetricDistortion.transform(t, {"img": img})["img"]):
+            continue
         base = median_time(lambda img=img: PhotoMetricDistortion.transform(t, {"img": img}), repeat, warmup=1)
         ours = median_time(lambda img=img: ops.distort(img, **params), repeat, warmup=1)
         bench_line(f"distortion_{w}x{h}", base, ours)
