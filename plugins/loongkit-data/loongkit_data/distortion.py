@@ -111,6 +111,7 @@ class Distortion(FeatureImpl):
         super().__init__(feature)
         self.fallbacks: dict[str, int] = {}  # reason -> images sent to upstream (shown in the Summary)
         self._config: dict[str, Any] = {}
+        self._fallback: Callable[[str], None] | None = None  # the activation's ctx.fallback
 
     def detect(self, env: Environment) -> str | None:
         if not sys.platform.startswith("linux"):
@@ -127,8 +128,11 @@ class Distortion(FeatureImpl):
             from loongkit_data.kernels import ops
 
             mode, failure = ops.hsv_mode()
-            self._config["hsv"] = (f"calibrated: {mode[0]} lanes, fma={mode[1]}, contracted={mode[2]}/{mode[3]}"
+            self._config["hsv"] = (f"calibrated: {mode[0]} lanes, fma={mode[1]}, contracted={mode[2]}/{mode[3]}, "
+                                   f"row end {'overlapped' if mode[4] else 'scalar'}"
                                    if mode else f"not reproduced: {failure}")
+            if failure and self._fallback is not None:  # every image goes to upstream: the row says why
+                self._fallback(f"applied, kernel not used: {failure}")
         if out is None:
             self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
             return False
@@ -142,6 +146,7 @@ class Distortion(FeatureImpl):
             raise NotApplicable(f"{target} has no PhotoMetricDistortion class")
         self._config = ctx.config if isinstance(ctx.config, dict) else {}
         self._config.setdefault("fallbacks", self.fallbacks)
+        self._fallback = ctx.fallback
         ctx.set_config(self._config)
         if target == V3:
             self._patch_v3(ctx, cls)

@@ -6,7 +6,10 @@ originals by name; ``mmcv.image`` and ``mmcv`` re-export them while their packag
 still running, so they bind the replacements. Every caller looks them up through one of those
 names (mmcv 2.x ``transforms.Normalize`` calls ``mmcv.imnormalize``, mmdet 2.x ``Normalize``
 likewise, mmdet's ``imrenormalize`` too). Inputs the kernel does not take (other dtypes, shapes,
-list means, or no kernel at all) run the original function and are counted by reason.
+list means, or no kernel at all) run the original function and are counted by reason. At first use
+the kernel is calibrated against the installed cv2 (``ops.norm_mode``): where no product mode
+reproduces its arithmetic, every call runs upstream and the Summary row says
+``[applied, kernel not used: ...]``.
 """
 
 from __future__ import annotations
@@ -75,6 +78,12 @@ class ImNormalize(FeatureImpl):
             first[0] = False
             # "prebuilt, avx512", "built on first use in 41.2 s, avx2; no prebuilt binary (...)", "unavailable: ..."
             config["kernel"] = kernels.describe()
+            product, failure = ops.norm_mode()  # calibrated by the first call unless it fell back earlier
+            if failure:  # every call goes to upstream: the row says why
+                config["opencv"] = f"not reproduced: {failure}"
+                ctx.fallback(f"applied, kernel not used: {failure}")
+            else:
+                config["opencv"] = f"calibrated: product in {'float32' if product else 'float64'}"
 
         def make(name: str, fast: Callable[..., tuple[Any, str]]) -> Callable[..., Any]:
             original = originals[name]

@@ -182,6 +182,50 @@ def test_imnormalize_patch_fallbacks_and_unpatch(kernel: Any) -> None:
     assert (photometric.imnormalize, photometric.imnormalize_, mmcv.image.imnormalize, mmcv.imnormalize) == originals
 
 
+def test_imnormalize_opencv_not_reproduced_falls_back(kernel: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An OpenCV whose multiply no product mode reproduces (planted: one ulp above the float64 product, in
+    cv2 itself, so mmcv and the calibration both see it): every call runs upstream, the result is
+    upstream's bit for bit, and the Summary row says why the kernel is not used."""
+    import mmcv.image
+    from mmcv.transforms import Normalize
+
+    from loongkit_core.feature import State
+    from loongkit_core.summary import status
+
+    real = cv2.multiply
+
+    def planted(src: Any, scalar: Any, dst: Any = None) -> Any:
+        out = np.nextafter((src.astype(np.float64) * scalar).astype(np.float32), np.float32(np.inf))
+        if dst is None:
+            return out
+        dst[...] = out
+        return dst
+
+    rng = np.random.default_rng(SEED + 3)
+    img = random_image(rng, 21, 50, np.uint8)
+    cfg = {"mean": [123.675, 116.28, 103.53], "std": [58.395, 57.12, 57.375], "to_rgb": True}
+    monkeypatch.setattr(cv2, "multiply", planted)
+    expected = Normalize(**cfg)({"img": img.copy()})["img"]
+    assert mismatches(expected, (img[..., ::-1].astype(np.float64) - cfg["mean"]).astype(np.float32)) > 0
+    ops.reset_calibration()
+    impl, ctx = activation("imnormalize")
+    impl.activate(ctx, "mmcv.image.photometric")
+    ctx.record.state = State.APPLIED  # what the runtime does after activate
+    try:
+        got = Normalize(**cfg)({"img": img.copy()})["img"]
+        assert mismatches(got, expected) == 0
+        product, failure = ops.norm_mode()
+        assert product is None and failure and "no kernel mode reproduces" in failure, failure
+        assert ctx.record.calls == 0
+        assert status(ctx.record).startswith("applied, kernel not used: no kernel mode reproduces"), status(ctx.record)
+        assert ctx.record.config["opencv"].startswith("not reproduced")
+    finally:
+        impl.deactivate(ctx)
+        monkeypatch.setattr(cv2, "multiply", real)
+        ops.reset_calibration()
+    assert ops.norm_mode()[0] is not None  # the real cv2 again: calibrated
+
+
 def test_imnormalize_broken_target() -> None:
     import types
 
