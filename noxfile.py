@@ -297,6 +297,35 @@ def published_lerobot(session: nox.Session) -> None:
 # (pyenv: `PYENV_VERSION=3.11.7:3.10.13:3.12.1:3.13.0 nox -t compat`). Results: docs/features/ops-compile.md.
 # A hung test (a DataLoader worker, a compile) fails its row instead of stalling the matrix or CI.
 COMPAT_TIMEOUT = "--timeout=600"
+# The OpenCV releases the data kernels reproduce bit for bit (issue 34), each with a NumPy it was built for:
+# 4.x is what OpenMMLab images carry; 5.0 ends a float HSV row with a scalar tail, 4.14 and 5.1 with an
+# overlapping vector; 5.1 multiplies by 1/std in float32. cv2 4.5's wheels are built against NumPy 1.x.
+OPENCV_MATRIX = {
+    "4.5": ("opencv-python==4.5.5.64", "numpy==1.26.4"),
+    "4.10": ("opencv-python==4.10.0.84", "numpy==2.0.2"),
+    "4.14": ("opencv-python==4.14.0.94", "numpy==2.2.6"),
+    "5.0": ("opencv-python==5.0.0.93", "numpy==2.3.5"),
+    "5.1": ("opencv-python==5.1.0.95", "numpy==2.4.6"),
+}
+
+
+@nox.session(name="opencv-matrix", tags=["opencv"])
+@nox.parametrize("opencv", list(OPENCV_MATRIX))
+def opencv_matrix(session: nox.Session, opencv: str) -> None:
+    """IMNORMALIZE and DISTORTION bit-exact against the real mmcv 2.1.0 / mmdet 3.3 on one OpenCV release and
+    NumPy (``nox -t opencv`` runs them all, each in its own venv; not in CI). The mmcv wheel is stack2's."""
+    _install_loongkit(session)
+    session.install("ninja", "psutil", "mmengine==0.10.7")
+    session.install(_mmcv_wheel(session, "mmcv==2.1.0"))
+    session.install("mmdet==3.3.0")
+    session.install(*OPENCV_MATRIX[opencv])  # after mmcv/mmdet: their unpinned opencv is replaced
+    session.run("python", "-c", "import cv2, numpy; from loongkit_data.kernels import ops; "
+                "print('opencv', cv2.__version__, 'numpy', numpy.__version__, 'imnormalize product mode', "
+                "ops.norm_mode(), 'hsv mode', ops.hsv_mode())")
+    session.run("pytest", "-q", "-rs", "-m", "integration and not stack1", "tests/integration/data_kernels",
+                *session.posargs)
+
+
 # The triton that torch 2.8, 2.9 and 2.10 pin (3.4, 3.5, 3.6): its CPU interpreter, which the kernel tests run, makes
 # a runtime scalar a loop bound with int() of a 1-element array, which NumPy 2.4 refuses ("only 0-dimensional arrays
 # can be converted to Python scalars"; 2.3 warns; triton 3.8+ squeezes first). A limit of the test tool, not of the
