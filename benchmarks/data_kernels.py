@@ -33,8 +33,8 @@ def checked(name: str, result: tuple[np.ndarray | None, str], expected: np.ndarr
     if out is None:
         print(f"SKIP {name}: the kernel fell back to upstream ({why})", flush=True)
         return False
-    expected = np.ascontiguousarray(expected)
-    if out.dtype != expected.dtype or not np.array_equal(np.ascontiguousarray(out).view(np.uint8), expected.view(np.uint8)):
+    ours, theirs = np.ascontiguousarray(out), np.ascontiguousarray(expected)
+    if ours.dtype != theirs.dtype or not np.array_equal(ours.view(np.uint8), theirs.view(np.uint8)):
         print(f"SKIP {name}: the kernel's result differs from upstream's", flush=True)
         return False
     return True

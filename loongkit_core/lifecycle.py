@@ -34,6 +34,7 @@ class Lifecycle:
     destination: log.Destination | None
     channel: activity.MainChannel | None
     node_silent: dict[int, str]
+    warnings: list[str]
     log: Any
     _exit_callbacks: list[tuple[FeatureRecord, Callable[[], None], int]]
     _summary_done: bool
@@ -78,6 +79,20 @@ class Lifecycle:
                     pass  # too late to fail the run; it is in the log and the Summary
 
     # -- summary -------------------------------------------------------------------------------
+    def misconfigured(self) -> str:
+        """What a training process prints at exit in place of the Summary when it set LOONGKIT_* variables
+        and they enabled nothing: the boot's warnings (invalid values, unknown names) and what to set; ""
+        when there was nothing to warn about (no variable set: loongkit stays silent)."""
+        if not self.warnings:
+            return ""
+        lines = ["loongkit: no feature was enabled; the LOONGKIT_* settings of this job were not understood:"]
+        lines += [f"  - {warning}" for warning in self.warnings]
+        lines.append("  Enable features with LOONGKIT_ALL=1, 2 or 3, or LOONGKIT_<FEATURE>=1 "
+                     "(`loongkit features` lists them; `loongkit-run --info <cmd>` checks a command).")
+        if log.log_path():
+            lines.append(f"  Log: {log.log_path()}")
+        return "\n".join(lines) + "\n"
+
     def summary_text(self, extra: list[str] | None = None, full: bool = False) -> str:
         """The Summary as printed on stdout (lines within summary.LINE_WIDTH), or ``full``: nothing
         shortened, for a log file."""
@@ -138,9 +153,9 @@ class Lifecycle:
                     record.reason = "target not imported: " + ", ".join(record.feature.targets)
             self.gather_activity()
             extra = self.summary_extra()
-            text = self.summary_text(extra)
+            text = self.summary_text(extra) if any(r.enabled for r in self.records.values()) else self.misconfigured()
             destination = self.destination
-            printed = self.process.prints_summary and self.is_training_job()
+            printed = bool(text) and self.process.prints_summary and self.is_training_job()
             if printed:
                 try:
                     sys.stdout.write(text)
@@ -175,6 +190,9 @@ class Lifecycle:
             os.environ[process_mod.MAIN_MARKER] = self.process.marker()
         if self.process.writes_summary and any(r.enabled for r in self.records.values()):
             self._open_channel()
+            self._watch_optimizer_steps()
+        elif self.process.writes_summary and self.warnings:
+            # LOONGKIT_* set, nothing enabled: a training process is told why at exit (misconfigured())
             self._watch_optimizer_steps()
         if any(r.enabled for r in self.records.values()):
             from loongkit_core import workers

@@ -186,7 +186,6 @@ def test_imnormalize_opencv_not_reproduced_falls_back(kernel: Any, monkeypatch: 
     """An OpenCV whose multiply no product mode reproduces (planted: one ulp above the float64 product, in
     cv2 itself, so mmcv and the calibration both see it): every call runs upstream, the result is
     upstream's bit for bit, and the Summary row says why the kernel is not used."""
-    import mmcv.image
     from mmcv.transforms import Normalize
 
     from loongkit_core.feature import State

@@ -5,6 +5,8 @@ during the exit callbacks: tests/unit/core/test_activity.py."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -79,3 +81,37 @@ def test_after_fork_relabels_the_child_and_keeps_what_it_inherited(booted: Any, 
     rt._after_fork()
     assert rt._fork_baseline == {"a": 3} and rt._reporter is None
     assert relabelled == [rt.process, rt.process]
+
+
+TRAIN = """
+import loongkit_core.all  # noqa: F401
+import torch
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.AdamW(model.parameters())
+for _ in range(2):
+    opt.zero_grad(); model(torch.randn(8, 4)).sum().backward(); opt.step()
+print("trained")
+"""
+HELPER = "import loongkit_core.all\nimport torch\nprint('helper')\n"
+
+
+def _run_script(tmp_path: Any, code: str, **variables: str) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOONGKIT_")}
+    env.update(LOONGKIT_LOGDIR=str(tmp_path), **variables)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_a_training_job_whose_settings_enabled_nothing_is_told_why(tmp_path: Any) -> None:
+    out = _run_script(tmp_path, TRAIN, LOONGKIT_ALL="on", LOONGKIT_FUSEDADAMW="1")
+    assert out.startswith("trained\nloongkit: no feature was enabled"), out
+    assert "LOONGKIT_ALL='on' is invalid" in out and "using the default 0" in out, out
+    assert "unknown variable LOONGKIT_FUSEDADAMW; did you mean LOONGKIT_FUSED_ADAMW?" in out, out
+    assert "LOONGKIT_ALL=1, 2 or 3" in out and "Log: " in out, out
+
+
+def test_no_notice_without_settings_nor_in_a_helper_process(tmp_path: Any) -> None:
+    assert _run_script(tmp_path, TRAIN) == "trained\n"
+    assert _run_script(tmp_path, HELPER, LOONGKIT_ALL="on") == "helper\n"  # no optimizer step: not training
