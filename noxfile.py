@@ -39,22 +39,33 @@ TRANSFORMERS = "transformers==4.57.6"
 HF_DEPS = [TRANSFORMERS, "accelerate==1.15.0"]
 # Triton GPU kernels are tested on the CPU with TRITON_INTERPRET=1.
 TRITON = "triton==3.9.0"
+# What the test sessions last ran with (issue 34): every package they install that the sessions do not pin
+# themselves. CI installs these, so a release anywhere upstream cannot break it overnight; `nox -s newest`
+# installs today's registry instead and reports what moved. Updated on purpose, in its own commit
+# (`nox -s newest -- --freeze` prints the file for the versions it ran with).
+CONSTRAINTS = ROOT / "constraints" / "ci.txt"
+
+
+def _install(session: nox.Session, *args: str, **kwargs: object) -> None:
+    """``session.install`` within CONSTRAINTS (not in the newest session)."""
+    pins = ["-c", str(CONSTRAINTS)] if session.name != "newest" and CONSTRAINTS.exists() else []
+    session.install(*pins, *args, **kwargs)  # type: ignore[arg-type]
 
 
 def _install_loongkit(session: nox.Session) -> None:
-    session.install("-U", "pip", "wheel", "setuptools<81")
-    session.install(TORCH)
-    session.install("-e", ".", *[f"-e{p}" for p in PLUGINS], *TEST_DEPS)
+    _install(session, "-U", "pip", "wheel", "setuptools<81")
+    _install(session, TORCH)
+    _install(session, "-e", ".", *[f"-e{p}" for p in PLUGINS], *TEST_DEPS)
     # The seed's names (`loongkit`: import loongkit.all, <site-packages>/loongkit/prelude/), not editable so
     # that the prelude directory exists where the seed's recipe looks; --no-deps keeps the editable packages.
-    session.install("--no-deps", str(ROOT / "meta" / "loongkit"))
+    _install(session, "--no-deps", str(ROOT / "meta" / "loongkit"))
 
 
 @nox.session(tags=["test"])
 def tests(session: nox.Session) -> None:
     """Unit and end-to-end tests without the OpenMMLab stacks."""
     _install_loongkit(session)
-    session.install(*HF_DEPS, TRITON)
+    _install(session, *HF_DEPS, TRITON)
     # Each plugin's unit tests run once, in its plugin-<name> session (the plugin installed alone, as a
     # wheel): running them here too cost CI their time twice for no behaviour the other run misses.
     ignore = [f"--ignore={path}" for plugin in PLUGINS for path in _plugin_unit_tests(Path(plugin))]
@@ -79,7 +90,7 @@ def _mmcv_wheel(session: nox.Session, requirement: str, cuda: bool = False, cxx_
     pattern = f"{name.replace('-', '_')}-{version}-*.whl"
     found = sorted(cache.glob(pattern))
     if not found:
-        session.install("ninja", "psutil")
+        _install(session, "ninja", "psutil")
         session.run("python", str(ROOT / "tools" / "mmcv_wheel.py"), requirement, "--out", str(cache),
                     *(["--cuda"] if cuda else []), *(["--cxx-std", cxx_std] if cxx_std else []))
         found = sorted(cache.glob(pattern))
@@ -90,11 +101,35 @@ def _mmcv_wheel(session: nox.Session, requirement: str, cuda: bool = False, cxx_
 def stack2(session: nox.Session) -> None:
     """Integration tests on the OpenMMLab 2.x stack (mmcv 2.1.0, mmengine 0.10.7, mmdet 3.3, mmseg 1.2)."""
     _install_loongkit(session)
-    session.install("ninja", "psutil", "mmengine==0.10.7")
-    session.install(_mmcv_wheel(session, "mmcv==2.1.0"))
-    session.install("mmdet==3.3.0", "mmsegmentation==1.2.2", "ftfy", "regex")
+    _install(session, "ninja", "psutil", "mmengine==0.10.7")
+    _install(session, _mmcv_wheel(session, "mmcv==2.1.0"))
+    _install(session, "mmdet==3.3.0", "mmsegmentation==1.2.2", "ftfy", "regex")
     session.run("pytest", "-m", "integration and not stack1", *session.posargs,
                 env={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"})
+
+
+@nox.session
+def newest(session: nox.Session) -> None:
+    """Today's registry, not CONSTRAINTS: the stack2 venv's packages at their newest releases (torch and the
+    OpenMMLab packages as pinned), then the unit and stack2 tests; logs each package whose version moved from
+    CONSTRAINTS. Not in CI. ``-- --freeze`` prints a constraints file of what it installed instead of testing."""
+    _install_loongkit(session)
+    session.install(*HF_DEPS, TRITON, "ninja", "psutil", "mmengine==0.10.7")
+    session.install(_mmcv_wheel(session, "mmcv==2.1.0"))
+    session.install("mmdet==3.3.0", "mmsegmentation==1.2.2", "ftfy", "regex")
+    freeze = session.run("python", "-m", "pip", "freeze", "--exclude-editable", silent=True) or ""
+    if not freeze:  # nox --install-only
+        return
+    if "--freeze" in session.posargs:
+        print(freeze)
+        return
+    pinned = dict(line.split("==", 1) for line in CONSTRAINTS.read_text().split() if "==" in line)
+    now = dict(line.split("==", 1) for line in freeze.split() if "==" in line)
+    moved = [f"{name} {pinned[name]} -> {version}" for name, version in sorted(now.items())
+             if name in pinned and pinned[name] != version]
+    session.log("moved from constraints/ci.txt: " + (", ".join(moved) or "nothing"))
+    session.run("pytest", "-m", "not published and not stack1", "-rs", "tests/unit", "tests/integration",
+                *session.posargs, env={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"})
 
 
 # README command 1's loss checks. The fused BEVFormer kernels (loongkit::ms_deform_attn[_fused]) and fused
@@ -127,18 +162,18 @@ def main(session: nox.Session) -> None:
     # Each phase says what it does and about how long it takes (2 vCPUs, nothing cached); pip's own
     # output is shown (nox hides it by default), so a long install is seen to move.
     session.log("phase 1/4: installing torch 2.13.0, mmengine, matplotlib (about 1 min)")
-    session.install("-U", "pip", "wheel", "setuptools<81", silent=False)
-    session.install(TORCH, "ninja", "psutil", "mmengine==0.10.7", "matplotlib", silent=False)
+    _install(session, "-U", "pip", "wheel", "setuptools<81", silent=False)
+    _install(session, TORCH, "ninja", "psutil", "mmengine==0.10.7", "matplotlib", silent=False)
     session.log("phase 2/4: installing loongkit-core and its plugins, compiling their CPU kernels (about 2 min)")
-    session.install("-e", ".", *[f"-e{p}" for p in PLUGINS], silent=False)
+    _install(session, "-e", ".", *[f"-e{p}" for p in PLUGINS], silent=False)
     # On a GPU with a CUDA toolkit, build mmcv with CUDA ops too: RetinaNet's FocalLoss calls them for
     # CUDA tensors. A GPU without nvcc gets CPU ops, and the example then trains on the CPU.
     probe = "import torch; print(int(torch.cuda.is_available()))"
     gpu = (session.run("python", "-c", probe, silent=True) or "").strip() == "1"
     cuda = gpu and shutil.which("nvcc") is not None
     session.log("phase 3/4: mmcv 2.1.0 with its ops (a cached wheel, else built: progress below) and mmdet 3.3.0")
-    session.install(_mmcv_wheel(session, "mmcv==2.1.0", cuda=cuda), silent=False)
-    session.install("mmdet==3.3.0", silent=False)
+    _install(session, _mmcv_wheel(session, "mmcv==2.1.0", cuda=cuda), silent=False)
+    _install(session, "mmdet==3.3.0", silent=False)
     env = {}
     if gpu and not cuda:
         session.log("a GPU but no nvcc: mmcv has CPU ops only, so the example trains on the CPU")
@@ -163,12 +198,12 @@ TORCH1 = ("torch==2.14.1", "torchvision==0.29.1")
 @nox.session(tags=["test"])
 def stack1(session: nox.Session) -> None:
     """Integration tests marked stack1 on the OpenMMLab 1.x stack (mmcv-full 1.7.2, mmdet 2.28, mmseg 0.30)."""
-    session.install("-U", "pip", "wheel", "setuptools<81")
-    session.install(*TORCH1, "ninja", "psutil")
-    session.install("-e", ".", *[f"-e{p}" for p in PLUGINS], *TEST_DEPS)
+    _install(session, "-U", "pip", "wheel", "setuptools<81")
+    _install(session, *TORCH1, "ninja", "psutil")
+    _install(session, "-e", ".", *[f"-e{p}" for p in PLUGINS], *TEST_DEPS)
     # torch 2.14's headers need C++20; mmcv-full 1.7.2's setup.py hard-codes -std=c++17.
-    session.install(_mmcv_wheel(session, "mmcv-full==1.7.2", cxx_std="c++20"))
-    session.install("mmdet==2.28.2", "mmsegmentation==0.30.0")
+    _install(session, _mmcv_wheel(session, "mmcv-full==1.7.2", cxx_std="c++20"))
+    _install(session, "mmdet==2.28.2", "mmsegmentation==0.30.0")
     session.run("pytest", "-m", "stack1", *session.posargs)
 
 
@@ -190,9 +225,9 @@ def _plugin_session(plugin: Path) -> None:
     # In CI ("test"): ~11 min for the five on 2 cores (ops 5.6, data 1.7, numa 1.2, monitor 1.1, precision 0.9).
     @nox.session(name=f"plugin-{name}", tags=["plugins", "test"])
     def run(session: nox.Session) -> None:
-        session.install("-U", "pip", "wheel", "setuptools<81")
-        session.install(TORCH)
-        session.install(".", str(plugin), *TEST_DEPS, *PLUGIN_TEST_DEPS.get(name, []))
+        _install(session, "-U", "pip", "wheel", "setuptools<81")
+        _install(session, TORCH)
+        _install(session, ".", str(plugin), *TEST_DEPS, *PLUGIN_TEST_DEPS.get(name, []))
         # The tests import the installed wheels (pytest's importlib mode keeps the checkout off sys.path).
         session.run("pytest", "-m", "not integration", "-rs", *tests, "tests/unit/test_conformance.py",
                     *session.posargs)
@@ -208,7 +243,7 @@ for _plugin in PLUGINS:
 
 @nox.session(tags=["lint"])
 def lint(session: nox.Session) -> None:
-    session.install("ruff")
+    _install(session, "ruff")
     session.run("ruff", "check", ".")
 
 
@@ -217,7 +252,7 @@ def bench(session: nox.Session) -> None:
     """Every benchmark through `loongkit bench` (--quick unless posargs say otherwise); the table, JSON and
     chart land in bench-out/. Scripts that need OpenMMLab packages use stand-ins or say they skipped."""
     _install_loongkit(session)
-    session.install("matplotlib")
+    _install(session, "matplotlib")
     args = session.posargs or ["--quick"]
     out = ROOT / "bench-out"
     out.mkdir(exist_ok=True)
