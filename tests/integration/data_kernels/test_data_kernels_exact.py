@@ -325,6 +325,49 @@ def test_distortion_patched_transform_same_draws_and_pixels(kernel: Any) -> None
     assert PhotoMetricDistortion.transform is original
 
 
+def test_distortion_opencv_not_reproduced_falls_back(kernel: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An OpenCV whose float BGR->HSV no mode reproduces (planted in cv2 itself: hue one ulp up): the
+    patched transform gives upstream's pixels and draws, the kernel never runs, the row says why."""
+    pytest.importorskip("mmdet")
+    from mmdet.datasets.transforms.transforms import PhotoMetricDistortion
+
+    from loongkit_core.feature import State
+    from loongkit_core.summary import status
+
+    real = cv2.cvtColor
+
+    def planted(src: Any, code: int, *args: Any) -> Any:
+        out = real(src, code, *args)
+        if code == cv2.COLOR_BGR2HSV and out.dtype == np.float32:
+            out[..., 0] = np.nextafter(out[..., 0], np.float32(np.inf))
+        return out
+
+    monkeypatch.setattr(cv2, "cvtColor", planted)
+    ops.reset_calibration()
+    original = PhotoMetricDistortion.transform
+    impl, ctx = activation("distortion")
+    impl.activate(ctx, "mmdet.datasets.transforms.transforms")
+    ctx.record.state = State.APPLIED  # what the runtime does after activate
+    try:
+        rng = np.random.default_rng(SEED + 6)
+        t = PhotoMetricDistortion()
+        for w in (33, 641):
+            img = random_image(rng, 4, w, np.uint8)
+            np.random.seed(w)
+            ours = t.transform({"img": img.copy()})["img"]
+            np.random.seed(w)
+            assert mismatches(ours, original(t, {"img": img.copy()})["img"]) == 0, f"seed {SEED}"
+        mode, failure = ops.hsv_mode()
+        assert mode is None and failure and "no kernel mode reproduces" in failure, failure
+        assert ctx.record.calls == 0
+        assert status(ctx.record).startswith("applied, kernel not used: no kernel mode reproduces"), status(ctx.record)
+        assert ctx.record.config["hsv"].startswith("not reproduced")
+    finally:
+        impl.deactivate(ctx)
+        monkeypatch.setattr(cv2, "cvtColor", real)
+        ops.reset_calibration()
+
+
 def test_distortion_mmdet2_style_lazy_draws(kernel: Any) -> None:
     """mmdet 2.x's __call__ (not installed here): a module with its verbatim pixel/draw code."""
     import types
