@@ -68,6 +68,17 @@ def activation(name: str) -> tuple[Any, ActivationContext]:
     return impl, ctx
 
 
+def assert_kernel_not_used(ctx: ActivationContext, calibration: tuple[Any, str | None], config_key: str) -> None:
+    """Calibration found no mode: the kernel never ran and the row and config say why."""
+    from loongkit_core.summary import status
+
+    mode, failure = calibration
+    assert mode is None and failure and "no kernel mode reproduces" in failure, failure
+    assert ctx.record.calls == 0
+    assert status(ctx.record).startswith("applied, kernel not used: no kernel mode reproduces"), status(ctx.record)
+    assert ctx.record.config[config_key].startswith("not reproduced")
+
+
 # ------------------------------------------------------------------------------------------------
 # imnormalize
 
@@ -189,7 +200,6 @@ def test_imnormalize_opencv_not_reproduced_falls_back(kernel: Any, monkeypatch: 
     from mmcv.transforms import Normalize
 
     from loongkit_core.feature import State
-    from loongkit_core.summary import status
 
     real = cv2.multiply
 
@@ -213,11 +223,7 @@ def test_imnormalize_opencv_not_reproduced_falls_back(kernel: Any, monkeypatch: 
     try:
         got = Normalize(**cfg)({"img": img.copy()})["img"]
         assert mismatches(got, expected) == 0
-        product, failure = ops.norm_mode()
-        assert product is None and failure and "no kernel mode reproduces" in failure, failure
-        assert ctx.record.calls == 0
-        assert status(ctx.record).startswith("applied, kernel not used: no kernel mode reproduces"), status(ctx.record)
-        assert ctx.record.config["opencv"].startswith("not reproduced")
+        assert_kernel_not_used(ctx, ops.norm_mode(), "opencv")
     finally:
         impl.deactivate(ctx)
         monkeypatch.setattr(cv2, "multiply", real)
@@ -332,7 +338,6 @@ def test_distortion_opencv_not_reproduced_falls_back(kernel: Any, monkeypatch: p
     from mmdet.datasets.transforms.transforms import PhotoMetricDistortion
 
     from loongkit_core.feature import State
-    from loongkit_core.summary import status
 
     real = cv2.cvtColor
 
@@ -357,11 +362,7 @@ def test_distortion_opencv_not_reproduced_falls_back(kernel: Any, monkeypatch: p
             ours = t.transform({"img": img.copy()})["img"]
             np.random.seed(w)
             assert mismatches(ours, original(t, {"img": img.copy()})["img"]) == 0, f"seed {SEED}"
-        mode, failure = ops.hsv_mode()
-        assert mode is None and failure and "no kernel mode reproduces" in failure, failure
-        assert ctx.record.calls == 0
-        assert status(ctx.record).startswith("applied, kernel not used: no kernel mode reproduces"), status(ctx.record)
-        assert ctx.record.config["hsv"].startswith("not reproduced")
+        assert_kernel_not_used(ctx, ops.hsv_mode(), "hsv")
     finally:
         impl.deactivate(ctx)
         monkeypatch.setattr(cv2, "cvtColor", real)

@@ -83,6 +83,12 @@ def _cv2_version() -> str:
     return str(getattr(cv2, "__version__", "?"))
 
 
+def _matching(modes: Any, cases: list[tuple[Any, np.ndarray]], run: Callable[[Any, Any], np.ndarray]) -> list[Any]:
+    """The modes whose ``run(mode, case)`` gives the case's reference bits on every case."""
+    return [mode for mode in modes
+            if all(np.array_equal(run(mode, case).view(np.uint32), ref.view(np.uint32)) for case, ref in cases)]
+
+
 def _unique(matches: list[Any], what: str) -> tuple[Any, str | None]:
     if len(matches) == 1:
         return matches[0], None
@@ -137,20 +143,17 @@ def _norm_reference(img: np.ndarray, mean: np.ndarray, std: np.ndarray, to_rgb: 
 
 
 def _search_norm(module: Any) -> tuple[int | None, str | None]:
-    cases = [(img, mean, std, to_rgb, _norm_reference(img, mean, std, to_rgb))
-             for img, mean, std, to_rgb in _norm_cases()]
-    matches = []
-    for product in NORM_PRODUCTS:
-        for img, mean, std, to_rgb, ref in cases:
-            params = _norm_params(mean, std)
-            assert not isinstance(params, str)
-            out = np.empty(img.shape, np.float32)
-            module.imnormalize(img, out, params[0], params[1], to_rgb, product, 1)
-            if not np.array_equal(out.view(np.uint32), ref.view(np.uint32)):
-                break
-        else:
-            matches.append(product)
-    return _unique(matches, "float32 subtract/multiply")
+    cases = [(case, _norm_reference(*case)) for case in _norm_cases()]
+
+    def run(product: int, case: tuple[np.ndarray, np.ndarray, np.ndarray, bool]) -> np.ndarray:
+        img, mean, std, to_rgb = case
+        params = _norm_params(mean, std)
+        assert not isinstance(params, str)
+        out = np.empty(img.shape, np.float32)
+        module.imnormalize(img, out, params[0], params[1], to_rgb, product, 1)
+        return out
+
+    return _unique(_matching(NORM_PRODUCTS, cases, run), "float32 subtract/multiply")
 
 
 NORM = Calibration("imnormalize", _search_norm)
@@ -288,18 +291,16 @@ def _reference(img: np.ndarray, p: dict[str, Any]) -> np.ndarray:
 
 
 def _search_hsv(module: Any) -> tuple[tuple[int, bool, bool, bool, bool] | None, str | None]:
-    cases = [(img, p, _reference(img, p)) for img, p in _calibration_cases(module)]
-    matches = []
-    for mode in _MODES:
-        for img, p, ref in cases:
-            out = np.empty(img.shape, np.float32)
-            module.distort(img, out, p["delta"], p["alpha_pre"], p["sat"], p["clip_sat"], p["hue"],
-                           p["alpha_post"], p["perm"], mode, 1)
-            if not np.array_equal(out.view(np.uint32), ref.view(np.uint32)):
-                break
-        else:
-            matches.append(mode)
-    return _unique(matches, "float HSV")
+    cases = [((img, p), _reference(img, p)) for img, p in _calibration_cases(module)]
+
+    def run(mode: tuple[int, bool, bool, bool, bool], case: tuple[np.ndarray, dict[str, Any]]) -> np.ndarray:
+        img, p = case
+        out = np.empty(img.shape, np.float32)
+        module.distort(img, out, p["delta"], p["alpha_pre"], p["sat"], p["clip_sat"], p["hue"],
+                       p["alpha_post"], p["perm"], mode, 1)
+        return out
+
+    return _unique(_matching(_MODES, cases, run), "float HSV")
 
 
 HSV = Calibration("distortion", _search_hsv)
