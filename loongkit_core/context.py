@@ -63,18 +63,21 @@ class Environment:
 
 class FeatureStatus(Record):
     """One feature of this process as another feature reads it (:meth:`ActivationContext.features`): its
-    declaration, whether it is enabled (and by its own variable), its state and reason when asked. A copy:
-    changing it changes nothing (the runtime owns the records)."""
+    declaration, whether it is enabled (and by its own variable), its state and reason when asked, and its
+    Summary configuration (what its dry run found, e.g. config_guards' ``findings``). A copy: changing it
+    changes nothing (the runtime owns the records)."""
 
-    __slots__ = ("enabled", "explicit", "feature", "reason", "state")
-    _fields = ("feature", "enabled", "explicit", "state", "reason")
+    __slots__ = ("config", "enabled", "explicit", "feature", "reason", "state")
+    _fields = ("feature", "enabled", "explicit", "state", "reason", "config")
 
-    def __init__(self, feature: Feature, enabled: bool, explicit: bool, state: State, reason: str) -> None:
+    def __init__(self, feature: Feature, enabled: bool, explicit: bool, state: State, reason: str,
+                 config: object = None) -> None:
         self.feature = feature
         self.enabled = enabled
         self.explicit = explicit
         self.state = state
         self.reason = reason
+        self.config = dict(config) if isinstance(config, dict) else config
 
 
 class Scratch:
@@ -163,7 +166,7 @@ class ActivationContext:
         order, as read-only copies (e.g. for a report that recommends features). A ``standalone`` context
         knows only its own."""
         records = self._features() if self._features is not None else (self.record,)
-        return [FeatureStatus(r.feature, r.enabled, r.explicit, r.state, r.reason) for r in records]
+        return [FeatureStatus(r.feature, r.enabled, r.explicit, r.state, r.reason, r.config) for r in records]
 
     def detail(self, key: str, value: object) -> None:
         """A fact for the JSON summary and the log (e.g. the CPUs a rank was bound to)."""

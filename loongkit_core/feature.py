@@ -7,6 +7,7 @@ declare features without touching torch or any other target library.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable, Mapping
 
 from loongkit_core.record import Record
 
@@ -122,6 +123,50 @@ class Feature(Record):
 
 def _feature(fields: dict[str, object]) -> Feature:
     return Feature(**fields)  # type: ignore[arg-type]
+
+
+class FeatureRef(Record):
+    """A handle on another plugin's feature: ``plugin`` (its entry-point name) and ``name``.
+
+    A plugin that reads or recommends a feature it does not declare says so with one of these
+    (:meth:`loongkit_core.kit.PluginSpec.refer`). The core checks every handle against the
+    declarations at boot: a name the referenced plugin does not declare is a fault of the plugin
+    holding the handle (a typo would otherwise disable whatever reads it, silently). A referenced
+    plugin that is not installed leaves the handle unresolved, which is not a fault.
+    """
+
+    __slots__ = ("name", "plugin")
+    _fields = ("plugin", "name")
+
+    plugin: str
+    name: str
+
+    def __init__(self, plugin: str, name: str) -> None:
+        self.plugin = plugin
+        self.name = name
+
+    def __hash__(self) -> int:
+        return hash((self.plugin, self.name))
+
+    def find(self, records: Iterable[FeatureRecord]) -> FeatureRecord | None:
+        """The referenced feature's record among ``records`` (declared by that plugin), or None."""
+        return next((r for r in records if r.feature.name == self.name and r.feature.plugin == self.plugin), None)
+
+    def problem(self, declared: Mapping[str, Iterable[str]]) -> str | None:
+        """Why this handle does not resolve against ``declared`` (plugin -> its feature names), or
+        None: it resolves, or its plugin is not among them (not installed)."""
+        names = declared.get(self.plugin)
+        if names is None:
+            return None
+        names = sorted(names)
+        if self.name in names:
+            return None
+        import difflib
+
+        close = difflib.get_close_matches(self.name, names, n=1, cutoff=0.5)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return (f"refers to feature {self.name!r} of plugin {self.plugin!r}, which declares no such "
+                f"feature{hint}; it declares {', '.join(names) or 'none'}")
 
 
 class PolicyDecision(Record):

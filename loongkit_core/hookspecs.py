@@ -25,7 +25,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from loongkit_core.context import ActivationContext, Environment
-    from loongkit_core.feature import Feature, FeatureRecord, PolicyDecision
+    from loongkit_core.feature import Feature, FeatureRecord, FeatureRef, PolicyDecision
     from loongkit_core.hardware import Hardware
 
 PROJECT = "loongkit"
@@ -46,6 +46,16 @@ def loongkit_declare_features() -> Sequence[Feature]:
     processes reuse the declarations (:mod:`loongkit_core.resolved`). Must be
     cheap: import nothing heavy (no torch, no target library). Declare features that are not built
     yet with ``implemented=False``: the Summary then says "not implemented".
+    """
+
+
+@hookspec
+def loongkit_feature_references() -> Sequence[FeatureRef]:
+    """Return handles on other plugins' features this plugin reads or names (optional).
+
+    Checked by the core at boot against every plugin's declarations: a handle whose plugin is
+    loaded but declares no such feature is this plugin's fault (logged, in the Summary), never a
+    silent no-op. Must be as cheap as :func:`loongkit_declare_features`.
     """
 
 

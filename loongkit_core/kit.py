@@ -23,7 +23,7 @@ from loongkit_core.hookspecs import CORE_API_VERSION, hookimpl
 
 if TYPE_CHECKING:
     from loongkit_core.context import ActivationContext, Environment
-    from loongkit_core.feature import Category, Feature, FeatureRecord, PolicyDecision
+    from loongkit_core.feature import Category, Feature, FeatureRecord, FeatureRef, PolicyDecision
     from loongkit_core.hardware import Hardware
     from loongkit_core.settings import LoongkitSettings
 
@@ -105,6 +105,7 @@ class PluginSpec:
         self._cli: list[Callable[[Any], None]] = []
         self._summary: list[Callable[[Sequence[FeatureRecord]], Sequence[str]]] = []
         self._launch_env: list[Callable[[Sequence[FeatureRecord], Mapping[str, str]], Mapping[str, str]]] = []
+        self._references: dict[tuple[str, str], FeatureRef] = {}
         assert self.LOONGKIT_CORE_API[0] <= CORE_API_VERSION <= self.LOONGKIT_CORE_API[1]
 
     # -- declaring ---------------------------------------------------------------------------
@@ -176,6 +177,24 @@ class PluginSpec:
         self.add(feature, impl=impl)
         return feature
 
+    def refer(self, plugin: str, name: str) -> FeatureRef:
+        """A checked handle on feature ``name`` of ``plugin`` (its entry-point name, e.g. ``"data"``).
+
+        Use it wherever this plugin reads or names another plugin's feature: the core checks it at
+        boot (:func:`loongkit_core.hookspecs.loongkit_feature_references`), and
+        :func:`loongkit_core.testing.conformance.plugin_problems` checks it against the installed
+        plugin's declarations. ``handle.find(records)`` gives the feature's record in a process.
+        """
+        from loongkit_core.feature import FeatureRef
+
+        ref = self._references.setdefault((plugin, name), FeatureRef(plugin, name))
+        return ref
+
+    @property
+    def references(self) -> list[FeatureRef]:
+        """The handles :meth:`refer` gave out, in order."""
+        return list(self._references.values())
+
     @property
     def features(self) -> list[Feature]:
         """Every feature this plugin declares, in declaration order."""
@@ -188,6 +207,10 @@ class PluginSpec:
     @hookimpl
     def loongkit_declare_features(self) -> list[Feature]:
         return list(self._features.values())
+
+    @hookimpl
+    def loongkit_feature_references(self) -> list[FeatureRef]:
+        return self.references
 
     @hookimpl
     def loongkit_hardware_policy(self, hardware: Hardware, features: Sequence[Feature]) -> dict:

@@ -57,6 +57,18 @@ class Resolution:
                 feature = _with_plugin(feature, plugin, loaded.version if loaded else "")
                 self.records[feature.name] = FeatureRecord(feature)
 
+    def check_references(self) -> None:
+        """Every plugin's handles on other plugins' features (``loongkit_feature_references``) must
+        name a feature the referenced plugin declares; one that does not is its holder's fault."""
+        declared: dict[str, list[str]] = {name: [] for name in self.manager.plugins}
+        for record in self.records.values():
+            declared.setdefault(record.feature.plugin, []).append(record.feature.name)
+        for plugin, refs in self.manager.call_each("loongkit_feature_references"):
+            for ref in refs or ():
+                problem = ref.problem(declared) if hasattr(ref, "problem") else f"{ref!r} is not a FeatureRef"
+                if problem is not None:
+                    self.manager.fault(plugin, "loongkit_feature_references", ValueError(problem))
+
     def known_variables(self) -> set[str]:
         known = set(CORE_VARIABLES)
         for record in self.records.values():

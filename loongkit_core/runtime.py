@@ -135,6 +135,7 @@ class Runtime(Resolution, Replay, Lifecycle, ActivityGather):
             for name in self.manager.disabled:
                 self.log.info(f"plugin {name} disabled by LOONGKIT_DISABLE_PLUGINS")
             self.declare()
+            self.check_references()
             self.check_unknown_variables()
             self.resolve()
         self._booting = False  # what follows (activation) is this process's own, not the resolution's

@@ -141,11 +141,40 @@ def plugin_problems(plugin: Any, *, heavy: Sequence[str] = HEAVY_MODULES, extern
     impl_modules: list[str] = []
     for feature in features:
         problems.extend(_feature_problems(spec, feature, declared, switches, impl_modules))
+    problems.extend(reference_problems(spec))
     module = ep.module if ep is not None else _module_of(spec)
     if imports:
         problems.extend(_import_problems(module, impl_modules, heavy))
     problems.extend(seam_problems(spec, [m for m in [module, *impl_modules] if m]))
     return [f"{label}: {p}" for p in problems]
+
+
+def reference_problems(spec: Any) -> list[str]:
+    """The spec's handles on other plugins' features (``PluginSpec.refer``) that the installed
+    referenced plugin does not declare. A referenced plugin that is not installed cannot be
+    checked here (the core checks the handle again at boot wherever both are installed)."""
+    from loongkit_core.kit import PluginSpec
+
+    problems: list[str] = []
+    for ref in spec.references:
+        if ref.plugin == spec.name:
+            names = [f.name for f in spec.features]
+        else:
+            ep = entry_point(ref.plugin)
+            if ep is None:
+                continue
+            try:
+                other = ep.load()
+            except Exception as exc:
+                problems.append(f"refers to {ref.plugin}:{ref.name}, whose plugin does not load: {exc}")
+                continue
+            if not isinstance(other, PluginSpec):
+                continue
+            names = [f.name for f in other.features]
+        problem = ref.problem({ref.plugin: names})
+        if problem is not None:
+            problems.append(problem)
+    return problems
 
 
 def assert_conforms(plugin: Any, **kwargs: Any) -> None:

@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from loongkit_core.context import ActivationContext, Environment, NotApplicable
+from loongkit_core.feature import FeatureRef
 from loongkit_core.kit import FeatureImpl
 from loongkit_monitor import analysis, dataworkers, gather, procstat
 from loongkit_monitor.recorder import StepRecorder
@@ -58,8 +59,8 @@ WATCHED = frozenset({LOOP_STEP_START, LOOP_STEP_END}) | PAUSE | RESUME
 SAMPLE_INTERVAL = 0.5  # seconds between the main process's usage samples (at step boundaries)
 EARLY_SAMPLES = 12  # every one of the first boundaries is sampled (the warm-up ends among them)
 MAX_SAMPLES = 4096
+SCAN_AT = (2, EARLY_SAMPLES)  # boundaries at which every process's CPU time is read (before the warm steps)
 SWITCH_AFTER = 3  # steps of another optimizer, with none of the first, before it marks the steps
-RECOMMENDABLE = ("distortion", "imnormalize", "pytorch_memory", "numa_affinity", "config_guards", "dataloader_workers")
 
 
 DEFAULTS: dict[str, float | int] = {"interval": 0.0, "max_steps": 0}  # what the options model defaults to
@@ -88,6 +89,8 @@ class Monitor:
         self.optimizer_id: int | None = None
         self.others = 0
         self.samples: list[tuple[int, procstat.Usage]] = []
+        self.cpus = procstat.affinity()  # the CPUs whose busy time is sampled (who else runs there)
+        self.scans: list[tuple[float, dict[int, procstat.ProcessCpu]]] = []  # every process, twice early on
         self.next_sample = 0.0
         self.next_progress = clock() + self.interval if self.interval else float("inf")
         self.progress_from = 0  # index into rec.walls of the first step since the last progress line
@@ -153,7 +156,9 @@ class Monitor:
     def sample(self, now: float) -> None:
         self.next_sample = now + SAMPLE_INTERVAL
         try:
-            self.samples.append((self.rec.steps, procstat.sample()))
+            self.samples.append((self.rec.steps, procstat.sample(cpus=self.cpus)))
+            if self.rec.steps in SCAN_AT:
+                self.scans.append((time.time(), procstat.processes()))
             if len(self.samples) > MAX_SAMPLES:  # keep the early ones (warm-up ends there), thin the rest
                 self.samples = self.samples[:EARLY_SAMPLES] + self.samples[EARLY_SAMPLES::2]
             if not self.gpu_checked:
@@ -246,18 +251,24 @@ class Monitor:
             self.ctx.waiting("no steps seen (no optimizer step, mmengine or mmcv training iteration)")
 
 
-def feature_views(records: Any) -> dict[str, analysis.FeatureView]:
-    """The loongkit features a recommendation may name: enabled? relevant to this job?"""
+def feature_views(records: Any) -> dict[FeatureRef, Any]:
+    """The loongkit features a recommendation may name (checked handles): enabled? relevant here?"""
     from loongkit_core import requirements
+    from loongkit_monitor.advice import FeatureView
+    from loongkit_monitor.plugin import RECOMMENDABLE
 
-    views: dict[str, analysis.FeatureView] = {}
-    for record in records:
-        feature = record.feature
-        if feature.name not in RECOMMENDABLE:
+    records = list(records)
+    views: dict[FeatureRef, Any] = {}
+    for ref in RECOMMENDABLE:
+        record = ref.find(records)
+        if record is None:
             continue
+        feature = record.feature
         relevant = (requirements.check_all(feature.requires) is None
                     and (not feature.targets or any(t in sys.modules for t in feature.targets)))
-        views[feature.name] = analysis.FeatureView(feature.env, bool(record.enabled), relevant)
+        config = getattr(record, "config", None)
+        config = config if isinstance(config, Mapping) else {}
+        views[ref] = FeatureView(feature.env, bool(record.enabled), relevant, dict(config))
     return views
 
 

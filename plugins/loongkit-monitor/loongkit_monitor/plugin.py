@@ -24,6 +24,18 @@ plugin.feature(
 )
 
 
+# Other plugins' features the monitor reads or recommends, and tune's knobs: checked handles (a name
+# the plugin does not declare is a boot fault and a conformance failure, not a silent no-op).
+DISTORTION = plugin.refer("data", "distortion")
+IMNORMALIZE = plugin.refer("data", "imnormalize")
+PYTORCH = plugin.refer("data", "pytorch")
+MALLOC = plugin.refer("data", "malloc")
+NUMA_AFFINITY = plugin.refer("numa", "numa_affinity")
+CONFIG_GUARDS = plugin.refer("numa", "config_guards")
+DATALOADER_WORKERS = plugin.refer("monitor", "dataloader_workers")
+RECOMMENDABLE = (DISTORTION, IMNORMALIZE, PYTORCH, NUMA_AFFINITY, CONFIG_GUARDS, DATALOADER_WORKERS)
+
+
 @plugin.summary
 def training_monitor(records: Sequence[Any]) -> list[str]:
     """The "Training monitor" section under the Feature Summary table (when the feature ran here)."""

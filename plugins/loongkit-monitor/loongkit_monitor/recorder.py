@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+REBUILT = 3  # alike one-epoch loaders from which a job counts as building one per epoch
 MAX_KEPT = 1 << 20  # per-step figures kept (8 bytes each, three arrays); later steps are counted only
 
 
@@ -34,9 +35,14 @@ class LoaderStats:
     epochs: int = 0  # times its first batch was fetched (a new or reset iterator)
     epoch_start_wait_s: float = 0.0  # creating the iterator (starting workers) and its first batch
     iter_s: float = 0.0  # of which in DataLoader.__iter__ (not in wait_s, the batches' waits)
+    batch_size: int | None = None
+    built: int = 1  # loader objects this stands for (a loop that builds one per epoch: several)
+    dataset: Any = None  # loongkit_monitor.dataset.DatasetView of its dataset, looked at once
 
     def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        out = dict(self.__dict__)
+        out["dataset"] = self.dataset.to_json() if self.dataset is not None else None
+        return out
 
 
 def loader_stats(iterator: Any) -> LoaderStats:
@@ -51,7 +57,14 @@ def loader_stats(iterator: Any) -> LoaderStats:
             import multiprocessing
 
             context = multiprocessing.get_start_method(allow_none=True) or "fork"
-    return LoaderStats(workers, bool(getattr(iterator, "_persistent_workers", False)), context)
+    from loongkit_monitor import dataset
+
+    sampler = getattr(iterator, "_index_sampler", None)
+    batch = getattr(sampler, "batch_size", None)
+    data = getattr(iterator, "_dataset", None)
+    return LoaderStats(workers, bool(getattr(iterator, "_persistent_workers", False)), context,
+                       batch_size=batch if isinstance(batch, int) else None,
+                       dataset=dataset.describe(data) if data is not None else None)
 
 
 class StepRecorder:
@@ -72,7 +85,11 @@ class StepRecorder:
         self.total_paused_s = 0.0
         self.untimed_wait_s = 0.0  # data wait outside steps (paused, or after the last boundary)
         self.loaders: dict[int, LoaderStats] = {}
-        self._loader_of: dict[int, int] = {}  # id(iterator) -> id(its DataLoader), from DataLoader.__iter__
+        self._loader_of: dict[int, int] = {}  # id(iterator) -> its DataLoader's key, from DataLoader.__iter__
+        # id(DataLoader) -> (a weak reference to it, its key): a loader built after another died may
+        # reuse its id, and is still a new loader (a loop that builds one per epoch)
+        self._loader_keys: dict[int, tuple[Any, int]] = {}
+        self._next_key = 1
         self._last_id = 0  # id of the last iterator seen (never a reference: it must die with the job's loop)
         self._last_stats: LoaderStats | None = None
         self._iter_s = 0.0  # the last DataLoader.__iter__'s seconds, until the first batch it leads to
@@ -139,7 +156,7 @@ class StepRecorder:
         if iterator is not None:
             if len(self._loader_of) > 4096:  # ids of iterators long gone
                 self._loader_of.clear()
-            self._loader_of[id(iterator)] = id(loader)
+            self._loader_of[id(iterator)] = self._key(loader)
         self._last_id = 0  # a new iterator may reuse a dead one's id
         if self.paused_at is not None:
             self.untimed_wait_s += seconds
@@ -147,6 +164,24 @@ class StepRecorder:
         if self.last is None:
             self.last = self.clock() - seconds
         self.wait += seconds
+
+    def _key(self, loader: Any) -> int:
+        """A key per DataLoader object (never its id alone, see ``_loader_keys``)."""
+        import weakref
+
+        known = self._loader_keys.get(id(loader))
+        if known is not None and known[0]() is loader:
+            return known[1]
+        key = self._next_key
+        self._next_key += 1
+        try:
+            ref: Any = weakref.ref(loader)
+        except TypeError:  # a loader class with __slots__ and no __weakref__: keep it alive instead
+            ref = (lambda obj: lambda: obj)(loader)
+        if len(self._loader_keys) > 4096:
+            self._loader_keys = {k: v for k, v in self._loader_keys.items() if v[0]() is not None}
+        self._loader_keys[id(loader)] = (ref, key)
+        return key
 
     def synced(self, seconds: float) -> None:
         """Seconds in a synchronising call (backward, a blocking collective)."""
@@ -170,7 +205,28 @@ class StepRecorder:
         return len(self.walls)
 
     def main_loader(self) -> LoaderStats | None:
-        """The loader that delivered the most batches: the training loader."""
+        """The loader that delivered the most batches: the training loader. A job that builds a new
+        loader for each epoch has several alike (same workers, dataset type): they count as one,
+        whose ``built`` says how many there were."""
         if not self.loaders:
             return None
-        return max(self.loaders.values(), key=lambda s: s.batches)
+        single = max(self.loaders.values(), key=lambda s: s.batches)
+        groups: dict[tuple[Any, ...], list[LoaderStats]] = {}
+        for stats in self.loaders.values():
+            if stats.epochs > 1:  # iterated again: built once
+                continue
+            kind = stats.dataset.kind if stats.dataset is not None else None
+            groups.setdefault((stats.num_workers, stats.persistent, stats.context, kind), []).append(stats)
+        best = max(groups.values(), key=lambda group: sum(s.batches for s in group), default=[])
+        if len(best) < REBUILT or sum(s.batches for s in best) <= single.batches:
+            return single
+        first = best[0]
+        merged = LoaderStats(first.num_workers, first.persistent, first.context, batch_size=first.batch_size,
+                             dataset=first.dataset, built=len(best))
+        for stats in best:
+            merged.batches += stats.batches
+            merged.wait_s += stats.wait_s
+            merged.epochs += stats.epochs
+            merged.epoch_start_wait_s += stats.epoch_start_wait_s
+            merged.iter_s += stats.iter_s
+        return merged

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
-from loongkit_monitor import analysis, dataworkers, procstat
+from loongkit_monitor import advice, analysis, dataworkers, procstat
 from loongkit_monitor.analysis import cpus, mib, ms, pct
 
 if TYPE_CHECKING:
@@ -85,10 +86,6 @@ def build(monitor: Monitor, records: list[Any] | None = None) -> dict[str, Any]:
     allowance = procstat.allowance(affinity, getattr(process, "local_world_size", None) or 1)
     gpu_idle, gpu_source = (monitor.gpu.idle_share(fig.wall_s, fig.warm_from) if monitor.gpu is not None
                             else (None, "no CUDA device in use"))
-    growth = workers.private_growth if workers and workers.private_growth is not None else None
-    growth_kind = "private memory"
-    if growth is None and workers is not None:
-        growth, growth_kind = workers.rss_growth, "RSS"
     own: dict[str, Any] = {
         "rank": getattr(process, "rank", None) or 0,
         "host": getattr(process, "host", ""),
@@ -137,23 +134,20 @@ def build(monitor: Monitor, records: list[Any] | None = None) -> dict[str, Any]:
             threads = int(torch.get_num_threads())
         except Exception:
             threads = None
-    facts = analysis.Facts(
-        figures=fig, num_workers=loader.num_workers if loader is not None else None,
-        persistent=loader.persistent if loader is not None else False,
-        context=loader.context if loader is not None else "", epochs=loader.epochs if loader is not None else 0,
-        epoch_start_wait_s=loader.epoch_start_wait_s if loader is not None else 0.0,
-        total_wait_s=loader.wait_s + loader.iter_s if loader is not None else 0.0,
-        worker_slots=workers.slots if workers else 0, workers_cpu=workers.cpu_used if workers else None,
-        workers_cpu_wait=workers.cpu_wait_share if workers else None, main_cpu_wait=main_wait,
-        worker_growth=growth, worker_growth_kind=growth_kind, main_cpu=main_cpu, allowed=allowance.cpus,
-        allowed_note=allowance.describe(), torch_threads=threads, gpu_idle=gpu_idle,
-        features=feature_views(records if records is not None else monitor.ctx.features()),
-        options={k: v for k, v in os.environ.items() if k.startswith("LOONGKIT_")},
-        flagged=flagged, numa={r: d.get("numa") or {} for r, d in ranks.items()})
+    facts = _facts(monitor, fig, window, loader, workers, allowance, gpu_idle, threads, flagged, ranks, final,
+                   features=feature_views(records if records is not None else monitor.ctx.features()))
     details = dict(own)
     details["stragglers"] = [{"rank": f["rank"], "slower_by": f["slower_by"], "evidence": f["evidence"]}
                              for f in flagged]
-    details["recommendations"] = analysis.recommendations(facts)
+    found = advice.advise(facts)
+    details["recommendations"] = found.recommendations
+    details["unclear"] = found.unclear
+    details["others_cpu"] = facts.others_cpu
+    details["neighbours"] = [{"name": n, "pid": p, "cpus": c} for n, p, c in facts.neighbours]
+    if facts.main_slope is not None:
+        details["main_rss_slope_bytes_per_s"] = facts.main_slope.per_s
+        details["main_rss_slope_r2"] = facts.main_slope.r2
+    details["memory_limit_bytes"] = facts.memory_limit
     details["stopped_at_max_steps"] = monitor.stopped
     details["notes"] = list(monitor.notes) + (list(gatherer.notes) if gatherer is not None else [])
     if gatherer is not None and gatherer.silent:  # ranks that sent nothing, and why (rank 0 only)
@@ -163,6 +157,82 @@ def build(monitor: Monitor, records: list[Any] | None = None) -> dict[str, Any]:
         details["ranks"] = {r: {**{k: d.get(k) for k in RANK_KEYS}, "straggler_score": scores.get(r)}
                             for r, d in sorted(ranks.items())}
     return details
+
+
+def _memory_limit() -> tuple[int | None, str]:
+    """The tightest of the cgroup memory limit and the host's memory, with which it is."""
+    from loongkit_core import cgroupfs
+
+    host = cgroupfs.mem_total("/")
+    try:
+        group = cgroupfs.own_group("/", "memory")
+        limit = cgroupfs.memory_limit(group) if group is not None else None
+    except Exception:
+        limit = None
+    if limit is not None and (host is None or limit < host):
+        return limit, "cgroup memory limit"
+    return host, "host memory"
+
+
+def _facts(monitor: Monitor, fig: analysis.StepFigures, window: tuple[procstat.Usage, procstat.Usage] | None,
+           loader: Any, workers: dataworkers.WorkerFigures | None, allowance: procstat.CpuAllowance,
+           gpu_idle: float | None, threads: int | None, flagged: list[dict[str, Any]],
+           ranks: dict[int, dict[str, Any]], final: procstat.Usage, features: Any) -> advice.Facts:
+    """What the advice rules read, from this process's samples and its workers' reports."""
+    main_cpu = main_wait = others = slope = blocks = None
+    span = 0.0
+    neighbours: list[tuple[str, int, float]] = []
+    if window is not None:
+        start, end = window
+        span = end.t - start.t
+        main_cpu = (end.cpu_s - start.cpu_s) / span
+        if start.run_delay_s is not None and end.run_delay_s is not None:
+            main_wait = min(1.0, (end.run_delay_s - start.run_delay_s) / span)
+        job = main_cpu + (workers.cpu_used if workers and workers.cpu_used is not None else 0.0)
+        if start.cpus_busy_s is not None and end.cpus_busy_s is not None:
+            others = max(0.0, (end.cpus_busy_s - start.cpus_busy_s) / span - job)
+        inside = [u for _, u in monitor.samples if start.t <= u.t <= end.t]
+        if end is final:
+            inside.append(final)
+        slope = advice.fit([(u.t, float(u.rss)) for u in inside])
+        with_blocks = [u for u in inside if u.py_blocks is not None]
+        if len(with_blocks) >= 2 and with_blocks[-1].t > with_blocks[0].t:
+            blocks = ((with_blocks[-1].py_blocks or 0) - (with_blocks[0].py_blocks or 0)) / (
+                with_blocks[-1].t - with_blocks[0].t)
+        if monitor.scans:
+            before_t, before = next(((t, s) for t, s in reversed(monitor.scans) if t <= start.t), monitor.scans[0])
+            after = procstat.processes()
+            job_pids = procstat.descendants(os.getpid(), after)
+            local = getattr(monitor.process, "local_world_size", None) or 1
+            if local > 1:  # sibling ranks (and their workers) are the job's
+                job_pids |= procstat.descendants(os.getppid(), after)
+            neighbours = procstat.others_busy(before, after, job_pids, monitor.cpus, time.time() - before_t)
+    limit, limit_note = _memory_limit()
+    growth = workers.private_growth if workers and workers.private_growth is not None else None
+    growth_kind = "private memory"
+    if growth is None and workers is not None:
+        growth, growth_kind = workers.rss_growth, "RSS"
+    steps = max(1, monitor.rec.steps)
+    return advice.Facts(
+        figures=fig, num_workers=loader.num_workers if loader is not None else None,
+        persistent=loader.persistent if loader is not None else False,
+        context=loader.context if loader is not None else "", epochs=loader.epochs if loader is not None else 0,
+        loaders_built=loader.built if loader is not None else 1,
+        epoch_start_wait_s=loader.epoch_start_wait_s if loader is not None else 0.0,
+        total_wait_s=loader.wait_s + loader.iter_s if loader is not None else 0.0,
+        batches_per_step=(loader.batches / steps) if loader is not None and loader.batches else 1.0,
+        batch_size=loader.batch_size if loader is not None else None,
+        dataset=loader.dataset if loader is not None else None,
+        worker_slots=workers.slots if workers else 0, workers_cpu=workers.cpu_used if workers else None,
+        workers_cpu_wait=workers.cpu_wait_share if workers else None, main_cpu_wait=main_wait,
+        worker_growth=growth, worker_growth_kind=growth_kind, worker_rss=workers.rss_mean if workers else None,
+        window_s=span, main_cpu=main_cpu, main_rss=float(final.rss), main_slope=slope, blocks_per_s=blocks,
+        memory_limit=limit, memory_limit_note=limit_note, others_cpu=others, neighbours=neighbours,
+        allowed=allowance.cpus, allowed_note=allowance.describe(),
+        local_ranks=getattr(monitor.process, "local_world_size", None) or 1, torch_threads=threads,
+        gpu_idle=gpu_idle, features=features,
+        options={k: v for k, v in os.environ.items() if k.startswith("LOONGKIT_")},
+        flagged=flagged, numa={r: d.get("numa") or {} for r, d in ranks.items()})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -243,9 +313,19 @@ def render(details: dict[str, Any] | None) -> list[str]:
     recs = details.get("recommendations") or []
     if recs:
         lines.append("  Recommendations:")
-        lines.extend(f"    * {r['setting']}: {r['evidence']}" for r in recs)
+        for r in recs:
+            if "cause" in r:
+                lines.append(f"    * {r['setting']}: {r['cause']} ({r['evidence']}); expected: {r['expected']}")
+            else:
+                lines.append(f"    * {r['setting']}: {r['evidence']}")
     else:
-        lines.append("  Recommendations: none (no figure crossed its threshold)")
+        lines.append("  Recommendations: none (nothing seen in this job that a setting would measurably change)")
+    for text in details.get("unclear") or []:
+        lines.append(f"  unclear: {text}")
+    others = details.get("others_cpu")
+    if others is not None and others >= advice.OTHERS:
+        seen = ", ".join(f"{n['name']} ({cpus(n['cpus'])})" for n in details.get("neighbours") or [])
+        lines.append(f"  other processes kept {cpus(others)} of the job's CPUs busy" + (f": {seen}" if seen else ""))
     for note in details.get("notes", []):
         lines.append(f"  note: {note}")
     return lines

@@ -47,7 +47,7 @@ def test_ranks_and_stragglers() -> None:
     text = "\n".join(lines)
     assert "    rank 0: 58.5 ms / 12.6 ms / 0.2 ms\n    rank 1: 59.0 ms / 52.0 ms / 0.2 ms  <- straggler" in text
     assert "  straggler: rank 1 spends 39.4 ms more per step outside synchronisation" in text
-    assert "  Recommendations: none (no figure crossed its threshold)" in text
+    assert "  Recommendations: none (nothing seen in this job that a setting would measurably change)" in text
 
 
 def test_memory_changes_keep_their_sign_unless_they_round_to_nothing() -> None:
