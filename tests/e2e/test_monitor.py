@@ -166,16 +166,20 @@ def test_data_bound_without_workers_matches_the_job_and_recommends_workers(run_l
     assert d["workers"] == 0 and d["source"] == "optimizer SGD.step"
     recs = d["recommendations"]
     assert recs and recs[0]["setting"].startswith("DataLoader(num_workers=")
-    share_text = f"data wait {d['data_wait_share'] * 100:.0f} % of the step with num_workers=0"
-    assert recs[0]["evidence"].startswith(share_text)
+    assert recs[0]["kind"] == "workers"
+    assert recs[0]["evidence"].startswith(f"data wait {d['data_wait_share'] * 100:.0f} % of the ")
+    assert "with num_workers=0" in recs[0]["evidence"] and "loads every batch itself" in recs[0]["cause"]
     assert "Training monitor (rank 0; steps = optimizer SGD.step)" in r.stdout
-    line = f"    * {recs[0]['setting']}: {recs[0]['evidence']}"
-    assert line in r.summary["extra"]  # in full in the JSON; on stdout wrapped to the Summary's LINE_WIDTH
-    assert " ".join(line.split()) in " ".join(r.stdout.split())
+    rec = recs[0]
+    lines = [f"    * {rec['setting']}", f"        why: {rec['cause']}", f"        seen: {rec['evidence']}",
+             f"        expected: {rec['expected']}"]
+    for line in lines:
+        assert line in r.summary["extra"]  # in full in the JSON; on stdout wrapped to the Summary's LINE_WIDTH
+        assert " ".join(line.split()) in " ".join(r.stdout.split())
 
 
 def test_compute_bound_has_no_data_recommendation(run_loongkit: Any, tmp_path: Path) -> None:
-    from loongkit_monitor.analysis import DATA_BOUND
+    from loongkit_monitor.advice import DATA_BOUND
 
     r, truth = run_job(run_loongkit, tmp_path, {"workers": 0, "fetch": 0.0, "compute": 0.2, "steps": 15})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -231,7 +235,8 @@ def test_spawn_workers_restarted_every_epoch_recommend_persistent_workers(run_lo
     assert d["worker_processes"] == 3 and d["loader"]["epochs"] == 3
     rec = next(x for x in d["recommendations"] if x["setting"] == "DataLoader(persistent_workers=True)")
     per_epoch = d["loader"]["epoch_start_wait_s"] / 3
-    assert f"1 workers start again at each of 3 epochs: {per_epoch:.2f} s per epoch start" in rec["evidence"]
+    assert "1 workers start again at each of 3 epochs" in rec["cause"]
+    assert f"{per_epoch:.2f} s per epoch start" in rec["evidence"]
 
 
 def test_no_optimizer_no_steps_no_crash(run_loongkit: Any, tmp_path: Path) -> None:

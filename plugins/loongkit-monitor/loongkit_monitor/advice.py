@@ -39,11 +39,13 @@ MARGIN = 0.15  # relative band around a decision's boundary where the verdict is
 CPU_WAIT = 0.25  # share of its time the training thread waited for a CPU before contention is named
 OTHERS = 0.25  # CPUs other processes keep busy on the job's CPUs before they are named
 EPOCH_START = 0.25  # share of all data wait spent starting epochs
-GROWTH = 64 << 20  # bytes a worker's private memory (or RSS) grows over the warm steps before it is named
+GROWTH = 48 << 20  # bytes a worker's private memory (or RSS) grows over the warm steps before it is named
 MAIN_GROWTH = 32 << 20  # same for the main process's RSS (and 5 % of it)
 FIT_R2 = 0.9  # a memory slope counts when the line explains this much of the samples' variance
 GPU_IDLE = 0.30
 MAX_WORKERS = 32
+IO_PER_CPU = 4  # waiting (I/O-bound) workers per CPU at most
+HANDOFF_S = 1e-3  # the main process's cost of taking one batch from a worker (queue, unpickling)
 
 
 @dataclass(frozen=True)
@@ -222,8 +224,9 @@ def _loading(facts: Facts, cpu: Cpu, out: Advice) -> None:
         count = max(1, math.ceil(wait / compute * 1.15))
         if load_cpu > 0.3 * wait:  # CPU-using loading: never more busy workers than CPUs
             count = min(count, max(1, math.floor(capacity + 0.25)))
-        count = min(count, MAX_WORKERS)
-        after = max(compute, wait / count, work / max(capacity, 1e-6))
+        count = min(count, _io_cap(facts, 0, capacity))
+        # each batch then crosses a queue and is unpickled by the main process: HANDOFF_S of its step
+        after = max(compute, wait / count, work / max(capacity, 1e-6)) + HANDOFF_S * facts.batches_per_step
         basis = (f"loading takes {ms(wait)} per step in the main process ({ms(load_cpu)} of it on a CPU), "
                  f"compute {ms(compute)}; {cpus(capacity)} CPUs allowed and free of other processes")
         _more_workers(facts, out, count, step, after, head + " with num_workers=0", basis,
@@ -261,16 +264,30 @@ def _loading(facts: Facts, cpu: Cpu, out: Advice) -> None:
                   "the job is CPU-bound in loading: every CPU it may use is busy, more workers would only share them",
                   cost, f"the step shrinks with the per-sample CPU time, down to compute ({ms(compute)})")
         return
+    # Part of every wait is the main process taking the batch (queue, unpickling): no worker count hides it.
+    handoff = min(wait, HANDOFF_S * bps)
+    if wait - handoff < DATA_BOUND * step:
+        return
+    best = max(best, compute + handoff)
     count = max(n + 1, math.ceil(worker_batch / max(best, 1e-6) * 1.15))
     if per_worker >= 0.3:  # CPU-using workers: never more busy workers than CPUs
         count = min(count, max(n, math.floor(capacity + 0.25)))
-    count = min(count, MAX_WORKERS)
+    count = min(count, _io_cap(facts, n, capacity))
     if count <= n:
         return
-    after = max(best, worker_batch / count * bps)
+    after = max(best, worker_batch / count * bps + handoff)
     why = ("the workers mostly wait (I/O or sleep), more of them overlap it" if per_worker < 0.5
            else "CPUs are left for more workers")
     _more_workers(facts, out, count, step, after, head, basis, f"{n} workers cannot keep up with the model: {why}")
+
+
+def _io_cap(facts: Facts, n: int, capacity: float) -> int:
+    """At most IO_PER_CPU waiting workers per CPU, and no more than half the memory left can hold."""
+    cap = min(MAX_WORKERS, max(n + 1, math.ceil(IO_PER_CPU * capacity)))
+    if facts.worker_rss and facts.memory_limit and facts.main_rss:
+        left = facts.memory_limit - facts.main_rss - n * facts.worker_rss
+        cap = min(cap, n + max(0, int(0.5 * left / facts.worker_rss)))
+    return max(cap, 1)
 
 
 def _more_workers(facts: Facts, out: Advice, count: int, step: float, after: float, head: str, basis: str,

@@ -2,7 +2,7 @@
 
 Each worker (fork, spawn, forkserver; persistent or not) runs a daemon thread that samples the
 worker four times a second for its first two seconds, then every two seconds (:func:`procstat.sample`;
-private memory, which costs milliseconds to read, every fifth sample) and rewrites one small JSON
+private memory, which costs milliseconds to read, every second sample) and rewrites one small JSON
 file in the core's activity channel, ``mon-<main pid>-<worker pid>.json``
 (:func:`loongkit_core.activity.job_directory`), with its first samples and a history thinned to at
 most :data:`MAX_SAMPLES` entries. The worker loop's return (end of an epoch, shutdown) writes a last
@@ -26,7 +26,7 @@ from loongkit_monitor import procstat
 PREFIX = "mon-"
 INTERVAL = 2.0  # seconds between a worker's samples once past the first ones (each costs ~1 ms of CPU)
 EARLY_INTERVAL, EARLY_SAMPLES = 0.25, 8  # denser at first, so that short runs get a span to measure
-PRIVATE_EVERY = 5  # smaps_rollup is read at the first, the last and every fifth sample
+PRIVATE_EVERY = 2  # smaps_rollup (~1-3 ms in the sampler thread) is read at the first, the last and every second sample
 MAX_SAMPLES = 64  # history kept per worker (rewritten each second: kept small); thinned past KEEP_FIRST
 KEEP_FIRST = 16  # the first samples stay: the warm steps start among them
 

@@ -65,7 +65,7 @@ def build(monitor: Monitor, records: list[Any] | None = None) -> dict[str, Any]:
     from loongkit_monitor.feature import feature_views
 
     rec = monitor.rec
-    final = procstat.sample()
+    final = procstat.sample(cpus=getattr(monitor, "cpus", None))
     fig = analysis.step_figures(rec.steps, rec.walls, rec.waits, rec.syncs, rec.first_timed, monitor.distributed)
     window = _window(monitor, fig.warm_from, final)
     main_cpu = rss_growth_main = main_wait = None
@@ -315,7 +315,8 @@ def render(details: dict[str, Any] | None) -> list[str]:
         lines.append("  Recommendations:")
         for r in recs:
             if "cause" in r:
-                lines.append(f"    * {r['setting']}: {r['cause']} ({r['evidence']}); expected: {r['expected']}")
+                lines.extend([f"    * {r['setting']}", f"        why: {r['cause']}", f"        seen: {r['evidence']}",
+                              f"        expected: {r['expected']}"])
             else:
                 lines.append(f"    * {r['setting']}: {r['evidence']}")
     else:
