@@ -345,13 +345,18 @@ def _contention(facts: Facts, cpu: Cpu, out: Advice) -> None:
     main_wait = facts.main_cpu_wait or 0.0
     worker_wait = facts.workers_cpu_wait or 0.0
     data_share = facts.figures.data_wait_share or 0.0
-    waiting = main_wait >= CPU_WAIT or (worker_wait >= CPU_WAIT and data_share >= DATA_BOUND)
-    if not waiting:
-        return
-    who = (f"the training thread waited for a CPU {pct(main_wait)} of the time" if main_wait >= CPU_WAIT
-           else f"the workers waited for a CPU {pct(worker_wait)} of the time with data wait {pct(data_share)}")
     if cpu.others >= OTHERS and cpu.others >= 0.1 * facts.allowed:
-        lost = main_wait if main_wait >= CPU_WAIT else data_share
+        # What the step loses to them: the training thread's wait (or the data wait of starved workers).
+        lost = max(main_wait, data_share if worker_wait >= CPU_WAIT else 0.0)
+        gain = 1 / max(1e-6, 1 - lost)
+        if gain < MIN_GAIN * (1 - MARGIN / 2):
+            return
+        who = (f"the training thread waited for a CPU {pct(main_wait)} of the time" if lost == main_wait
+               else f"the workers waited for a CPU {pct(worker_wait)} of the time with data wait {pct(data_share)}")
+        if gain < MIN_GAIN * (1 + MARGIN / 2):
+            out.unclear.append(f"{who} while other processes kept {cpus(cpu.others)} of the job's CPUs busy: "
+                               f"dedicated CPUs would gain about {gain:.2f}x, inside the noise band")
+            return
         out.claim("dedicated_cpus", "dedicated CPUs for the job (its container's CPU request / limit, or a cpuset "
                   "no other process shares)",
                   f"other processes kept {cpus(cpu.others)} of the job's {cpus(facts.allowed)} CPUs busy"
@@ -359,24 +364,27 @@ def _contention(facts: Facts, cpu: Cpu, out: Advice) -> None:
                   f"{who}; the job itself kept {cpus(cpu.job)} busy",
                   f"up to {pct(lost)} of the step (the time lost waiting for a CPU)")
         return
-    threads = facts.torch_threads or 1
-    busy_workers = facts.workers_cpu or 0.0
     if main_wait < CPU_WAIT:
         return
-    if threads > facts.allowed and busy_workers < 0.3 * facts.allowed:
-        count = max(1, int(facts.allowed))
-        guards = _available(facts, CONFIG_GUARDS) or facts.features.get(CONFIG_GUARDS)
+    who = f"the training thread waited for a CPU {pct(main_wait)} of the time"
+    threads = facts.torch_threads or 1
+    busy_workers = facts.workers_cpu or 0.0
+    # The model can use the CPUs the workers leave; intra-op threads beyond them (and one spare) only
+    # preempt each other at every parallel region's barrier.
+    room = max(1.0, facts.allowed - busy_workers)
+    if threads > room * (1 + MARGIN) + 1:
+        count = max(1, round(room))
+        guards = facts.features.get(CONFIG_GUARDS)
         findings = list((guards.config or {}).get("findings") or []) if guards is not None else []
         setting = f"torch.set_num_threads({count}) (or OMP_NUM_THREADS={count})"
         if guards is not None and guards.enabled and any("intra-op" in str(f) for f in findings):
-            setting += ", or with no code change LOONGKIT_CONFIG_GUARDS_APPLY_FIX=1"
+            setting += ", or with no code change LOONGKIT_CONFIG_GUARDS_APPLY_FIX=1 (its dry run found them)"
         out.claim("threads", setting,
-                  f"the job's own {threads} torch intra-op threads share {cpus(facts.allowed)} CPUs: they preempt "
-                  f"each other at every parallel region",
+                  f"the job's own {threads} torch intra-op threads share the {cpus(room)} CPUs its workers leave "
+                  f"({cpus(facts.allowed)} allowed): they preempt each other at every parallel region",
                   f"{who}; other processes kept {cpus(cpu.others)} CPUs busy, the workers {cpus(busy_workers)}",
                   f"up to {pct(main_wait)} of the step (the training thread's wait for a CPU)")
-        return
-    if threads + busy_workers > facts.allowed * (1 + MARGIN):
+    elif threads + busy_workers > facts.allowed * (1 + MARGIN):
         out.unclear.append(f"{who}: {threads} torch threads and workers keeping {cpus(busy_workers)} CPUs busy share "
                            f"{cpus(facts.allowed)} CPUs; fewer threads give the workers more CPU and the model less, "
                            f"which is faster only a trial can tell (loongkit tune)")
