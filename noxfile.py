@@ -247,6 +247,16 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
 
 
+@nox.session(tags=["test"])
+def diagnosis(session: nox.Session) -> None:
+    """The monitor's advice against planted faults, truth by running each fix (benchmarks/diagnosis.py):
+    its quick form (about a minute), failing below 95 % recall or precision, on a claim on a healthy
+    control or on a changed verdict; `-- --all` runs every case (about 8 minutes), `-- --case NAME` one."""
+    _install_loongkit(session)
+    args = [a for a in session.posargs if a != "--all"] if session.posargs else ["--quick"]
+    session.run("python", str(ROOT / "benchmarks" / "diagnosis.py"), "--check", *args)
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
     """Every benchmark through `loongkit bench` (--quick unless posargs say otherwise); the table, JSON and

@@ -46,6 +46,7 @@ MIN_SPEEDUP = 1.15  # a fix that does less than this does not confirm its cause 
 # 5.7x faster than with 1 (the queue bounds what they prefetch), so its "fix" is no fix; the monitor
 # never recommends more busy workers than CPUs instead.
 MEMORY = 32 << 20  # growth below this is not a planted leak
+BAR = 0.95  # recall and precision --check requires
 
 
 @dataclass(frozen=True)
@@ -75,9 +76,10 @@ CASES = (
     Case("threads_beside_busy_workers", {"threads": 8, "workers": 2, "persistent": True, "numpy_ms": 0.5,
                                          "width": 1024, "batch": 32, "steps": 120}, {"threads": 2}, "threads"),
     Case("noisy_neighbour", {"width": 768, "batch": 128, "steps": 400}, {}, "dedicated_cpus", neighbours=2),
-    Case("memory_main", {"keep_mib": 0.5, "width": 1024, "batch": 64, "steps": 500}, {"keep_mib": 0.0},
+    Case("memory_main", {"keep_mib": 0.25, "width": 1024, "batch": 64, "steps": 800}, {"keep_mib": 0.0},
          "memory_main", truth="rss"),
-    Case("memory_workers", {"workers": 2, "persistent": True, "worker_keep_kib": 256.0, "steps": 200},
+    Case("memory_workers", {"workers": 2, "persistent": True, "worker_keep_kib": 64.0, "width": 1024,
+                            "batch": 16, "steps": 800},
          {"worker_keep_kib": 0.0}, "memory_workers", truth="worker_memory"),
     Case("memory_copy_on_write", {"workers": 2, "persistent": True, "records": 1200000, "width": 1024,
                                   "batch": 16, "steps": 900},
@@ -251,6 +253,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}, no repeat")
     parser.add_argument("--case", action="append", help="run only these cases (repeatable)")
     parser.add_argument("--json", help="write every run's figures and claims here")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 below 95 %% recall or precision, on a claim on a control or a changed verdict")
     args = parser.parse_args()
     names = args.case or (QUICK if args.quick else [c.name for c in CASES])
     unknown = set(names) - {c.name for c in CASES}
@@ -289,6 +293,16 @@ def main() -> None:
             indent=1))
     if errors:
         sys.exit(1)
+    if args.check:
+        recall = named / len(confirmed) if confirmed else 1.0
+        precision = right / claims if claims else 1.0
+        failed = [text for text, bad in ((f"recall {recall:.0%}", recall < BAR), (f"precision {precision:.0%}",
+                  precision < BAR), (f"{false_on_controls} claim(s) on controls", false_on_controls > 0),
+                  (f"verdicts changed: {', '.join(unstable)}", bool(unstable))) if bad]
+        if failed:
+            print(f"diagnosis check FAILED: {'; '.join(failed)}", flush=True)
+            sys.exit(1)
+        print("diagnosis check passed", flush=True)
 
 
 if __name__ == "__main__":

@@ -249,6 +249,8 @@ def _loading(facts: Facts, cpu: Cpu, out: Advice) -> None:
         # The CPUs are what the job waits for: more workers only share them.
         if cpu.others >= OTHERS:
             return  # others hold part of them: _contention names them
+        if any(r["kind"] == "threads" for r in out.recommendations):
+            return  # the model's own extra threads spin on the CPUs: their cut comes first
         kernels = [view.env for ref, name in ((DISTORTION, "PhotoMetricDistortion"), (IMNORMALIZE, "Normalize"))
                    if (view := _available(facts, ref)) is not None and _in_pipeline(facts, name)]
         cost = (f"{head}; {basis}: the model and loading need {ms(work)} of CPU per step, "

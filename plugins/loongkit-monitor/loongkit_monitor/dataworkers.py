@@ -1,7 +1,7 @@
 """DataLoader workers report their CPU time, memory and page faults to their main process.
 
 Each worker (fork, spawn, forkserver; persistent or not) runs a daemon thread that samples the
-worker four times a second for its first two seconds, then every two seconds (:func:`procstat.sample`;
+worker four times a second for its first two seconds, then every second (:func:`procstat.sample`;
 private memory, which costs milliseconds to read, every second sample) and rewrites one small JSON
 file in the core's activity channel, ``mon-<main pid>-<worker pid>.json``
 (:func:`loongkit_core.activity.job_directory`), with its first samples and a history thinned to at
@@ -24,7 +24,7 @@ from typing import Any
 from loongkit_monitor import procstat
 
 PREFIX = "mon-"
-INTERVAL = 2.0  # seconds between a worker's samples once past the first ones (each costs ~1 ms of CPU)
+INTERVAL = 1.0  # seconds between a worker's samples once past the first ones (each costs ~1 ms of CPU)
 EARLY_INTERVAL, EARLY_SAMPLES = 0.25, 8  # denser at first, so that short runs get a span to measure
 PRIVATE_EVERY = 2  # smaps_rollup (~1-3 ms in the sampler thread) is read at the first, the last and every second sample
 MAX_SAMPLES = 64  # history kept per worker (rewritten each second: kept small); thinned past KEEP_FIRST

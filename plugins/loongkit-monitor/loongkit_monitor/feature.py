@@ -56,7 +56,7 @@ PAUSE = frozenset({"before_val_epoch", "before_test_epoch"})
 RESUME = frozenset({"after_val_epoch", "after_test_epoch"})
 WATCHED = frozenset({LOOP_STEP_START, LOOP_STEP_END}) | PAUSE | RESUME
 
-SAMPLE_INTERVAL = 0.5  # seconds between the main process's usage samples (at step boundaries)
+SAMPLE_INTERVAL = 0.25  # seconds between the main process's usage samples (at step boundaries)
 EARLY_SAMPLES = 12  # every one of the first boundaries is sampled (the warm-up ends among them)
 MAX_SAMPLES = 4096
 SCAN_AT = (2, EARLY_SAMPLES)  # boundaries at which every process's CPU time is read (before the warm steps)
