@@ -199,8 +199,10 @@ def halve(standings: Sequence[Standing], level_noise: float, keep_fraction: floa
         behind = (s.median or math.inf) / best - 1
         # "Clearly slower" is beyond three times the noise: the noise comes from two or three baseline
         # trials and one trial of each, so a tighter cut drops equal candidates on a loaded machine.
-        # The slower half goes too, unless it is inside the noise of the leader.
-        if behind > CLEAR * level_noise or (i >= keep and behind > level_noise):
+        # The slower half goes too, unless it is inside the noise of the leader, and only once both it
+        # and the leader have two trials: one trial each is a difference of two noisy draws.
+        repeated = len(s.good) >= 2 and len(ranked[0].good) >= 2
+        if behind > CLEAR * level_noise or (i >= keep and repeated and behind > level_noise):
             s.status = DROPPED
             s.reason = f"{behind:.0%} slower than {ranked[0].key} after {len(s.good)} trial(s)"
             dropped.append(s)
