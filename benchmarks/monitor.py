@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 from loongkit_monitor import dataworkers  # noqa: E402
-from loongkit_monitor.feature import DEFAULTS, EARLY_SAMPLES, MonitorFeature  # noqa: E402
+from loongkit_monitor.feature import DEFAULTS, EARLY_SAMPLES, SAMPLE_INTERVAL, SCAN_AT, MonitorFeature  # noqa: E402
 from loongkit_monitor.plugin import plugin  # noqa: E402
 from train_classifier import Net, Stripes  # noqa: E402
 
@@ -134,18 +134,29 @@ def per_step_cost(hooks: Hooks, rounds: int, steps: int) -> tuple[float, float]:
 
 
 def main_sample_cost(samples: int) -> float:
-    """CPU seconds of one sample of the main process (a run takes EARLY_SAMPLES at its start, then at
-    most two a second)."""
+    """CPU seconds of one sample of the main process as the monitor takes it (its usage, the job's CPUs'
+    busy time, the interpreter's blocks; EARLY_SAMPLES at its start, then one per SAMPLE_INTERVAL)."""
     from loongkit_monitor import procstat
 
+    cpus = procstat.affinity()
     t0 = time.thread_time()
     for _ in range(samples):
-        procstat.sample()
+        procstat.sample(cpus=cpus)
     return (time.thread_time() - t0) / samples
 
 
+def scan_cost(scans: int) -> float:
+    """CPU seconds of one read of every process's CPU time (twice per run, at the SCAN_AT boundaries)."""
+    from loongkit_monitor import procstat
+
+    t0 = time.thread_time()
+    for _ in range(scans):
+        procstat.processes()
+    return (time.thread_time() - t0) / scans
+
+
 def sampler_cost(directory: str, samples: int) -> float:
-    """CPU seconds of one worker sample (its usage, private memory every fifth time, the report)."""
+    """CPU seconds of one worker sample (its usage, private memory every second time, the report)."""
     sampler = dataworkers.WorkerSampler(directory, main_pid=os.getpid(), worker_id=0)
     t0 = time.thread_time()
     for _ in range(samples):
@@ -173,11 +184,14 @@ def main() -> None:
     cost = max(0.0, cost_hooked - cost_bare)
     sample = sampler_cost(channel, 50 if args.quick else 200)
     main_sample = main_sample_cost(200)
+    scan = scan_cost(20)
     worker_share = sample / dataworkers.INTERVAL
     print(f"monitor hooks: {cost * 1e6:.1f} us CPU per step (the bare loop {cost_bare * 1e6:.1f} us, hooked "
           f"{cost_hooked * 1e6:.1f} us) = {cost / baseline * 100:.3f} % of train_classifier's {baseline * 1000:.1f} ms "
           f"CPU step; a main-process sample {main_sample * 1e6:.0f} us CPU ({EARLY_SAMPLES} at the start, then at "
-          f"most 2 a second); a worker sample {sample * 1e6:.0f} us CPU every {dataworkers.INTERVAL:g} s = "
+          f"most {1 / SAMPLE_INTERVAL:g} a second = {main_sample / SAMPLE_INTERVAL * 100:.3f} % of a CPU); a process "
+          f"scan {scan * 1e3:.2f} ms CPU ({len(SCAN_AT)} per run); a worker sample {sample * 1e6:.0f} us CPU every "
+          f"{dataworkers.INTERVAL:g} s = "
           f"{worker_share * 100:.3f} % of a CPU per worker", flush=True)
     print(f"the example's step with the hooks: CPU {(ours / baseline - 1) * 100:+.2f} %, wall {wall_bare * 1000:.1f} "
           f"-> {wall_hooked * 1000:.1f} ms ({(wall_hooked / wall_bare - 1) * 100:+.1f} %), "
