@@ -32,6 +32,8 @@ BENCH_LINE = re.compile(r"^BENCH\s+(\S+)\s+(.*)$")
 SKIP_LINE = re.compile(r"^SKIP\s+(.*)$")
 # Memory cases print bytes; their names say so.
 MEMORY_CASE = re.compile(r"(rss|pss|memory|bytes)", re.IGNORECASE)
+# Scores print counts (diagnosis_recall: causes confirmed / named); their names say so.
+COUNT_CASE = re.compile(r"(recall|precision|count)", re.IGNORECASE)
 
 
 @dataclass
@@ -41,7 +43,7 @@ class Case:
     baseline: float
     ours: float
     ratio: float
-    unit: str  # "s" or "bytes"
+    unit: str  # "s", "bytes" or "count"
 
 
 @dataclass
@@ -74,7 +76,8 @@ def parse_output(script: str, text: str) -> tuple[list[Case], list[str]]:
                 baseline, ours, ratio = (float(fields[k]) for k in ("baseline", "ours", "ratio"))
             except (KeyError, ValueError):
                 continue  # a malformed line is not a result
-            unit = "bytes" if MEMORY_CASE.search(match.group(1)) else "s"
+            name = match.group(1)
+            unit = "bytes" if MEMORY_CASE.search(name) else "count" if COUNT_CASE.search(name) else "s"
             cases.append(Case(script, match.group(1), baseline, ours, ratio, unit))
         elif match := SKIP_LINE.match(line.strip()):
             skipped.append(match.group(1))
@@ -104,6 +107,8 @@ def run_script(name: str, path: Path, args: list[str], python: str, timeout: flo
 def _fmt(value: float, unit: str) -> str:
     if unit == "bytes":
         return f"{value / 2**20:,.1f} MiB"
+    if unit == "count":
+        return f"{value:g}"
     if abs(value) < 1e-3:
         return f"{value * 1e6:.1f} us"
     if abs(value) < 1:

@@ -26,6 +26,12 @@ def test_parse_output() -> None:
     assert skipped == ["fast_gpu: no CUDA device"]
 
 
+def test_scores_are_counts_not_seconds() -> None:
+    cases, _ = bench.parse_output("diagnosis", "BENCH diagnosis_recall baseline=13 ours=13 ratio=1.00")
+    assert [(c.name, c.unit) for c in cases] == [("diagnosis_recall", "count")]
+    assert bench._fmt(13.0, "count") == "13"
+
+
 def test_update_docs_keeps_other_sections(tmp_path: Path) -> None:
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\nIntro.\n\n## Someone's section\n\nTheir numbers.\n")
