@@ -7,9 +7,12 @@ declare features without touching torch or any other target library.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
 
 from loongkit_core.record import Record
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
 
 
 class Category(str, enum.Enum):

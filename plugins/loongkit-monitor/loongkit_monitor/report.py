@@ -1,4 +1,4 @@
-"""The monitor's report: the JSON ``details.monitor`` (see notes/monitor-interface.md) and its text.
+"""The monitor's report: the JSON ``details.monitor`` (its keys: docs/features/monitor.md) and its text.
 
 :func:`build` runs once, at exit, in each main process: its own figures, its workers', then (local
 rank 0 / global rank 0) the other ranks' reports, stragglers and recommendations. :func:`render`

@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from loongkit_monitor.plugin import MALLOC, NUMA_AFFINITY
+
 # (argv, environ) -> (returncode, stdout); replaced in tests.
 Runner = Callable[[Sequence[str], Mapping[str, str]], tuple[int, str]]
 
@@ -129,12 +131,12 @@ def gather(environ: Mapping[str, str], max_level: int, runner: Runner = default_
         facts.numa_nodes = max(1, len(doctor.get("numa_nodes") or {}))
         facts.l3_caches = max(1, int(doctor.get("l3_caches") or 1))
         facts.cpus = max(1, _count_cpus(str(doctor.get("allowed_cpus") or "")))
-    if facts.applies("numa_affinity"):
+    if facts.applies(NUMA_AFFINITY.name):
         plan = _json(runner, _cli("numa", "plan", "--json"), environ, facts.notes)
         if plan:
             facts.numa_topology = str(plan.get("topology") or "")
             facts.numa_options = {k: bool(v) for k, v in (plan.get("options") or {}).items()}
-    if facts.applies("malloc"):
+    if facts.applies(MALLOC.name):
         for name in ALLOCATORS:
             code, _ = runner(_cli("malloc-env", name), environ)
             facts.allocators[name] = code == 0

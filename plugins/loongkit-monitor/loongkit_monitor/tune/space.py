@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from loongkit_monitor.plugin import CONFIG_GUARDS, DATALOADER_WORKERS, MALLOC, NUMA_AFFINITY
 from loongkit_monitor.tune.facts import Facts, FeatureFact
 from loongkit_monitor.tune.figures import Figures
 
@@ -30,7 +31,7 @@ DATA, COMPUTE = "data", "compute"
 WORKERS_ENV = "LOONGKIT_DATALOADER_WORKERS"
 WORKERS_COUNT_ENV = "LOONGKIT_DATALOADER_WORKERS_COUNT"
 # Tune's own features: on in every trial (the monitor) or a dimension of its own (the worker count).
-OWN_FEATURES = frozenset({"monitor", "dataloader_workers"})
+OWN_FEATURES = frozenset({"monitor", DATALOADER_WORKERS.name})
 NUMA_PREFIX = "LOONGKIT_NUMA_AFFINITY_"
 DATA_CATEGORY = "Data preprocessing"
 
@@ -120,7 +121,7 @@ def option_candidates(facts: Facts, figures: Figures | None, max_level: int) -> 
             skipped.append(Skipped(f"ALL=1 +{_short(f.env)}", "the only level-2 feature here: same as ALL=2"))
         else:
             add(f"ALL=1 +{_short(f.env)}", {f.env: "1"}, topic, f.category, [f.env])
-        if f.name == "malloc":
+        if f.name == MALLOC.name:
             for allocator, installed in sorted(facts.allocators.items()):
                 label = f"ALL=1 +MALLOC({allocator})"
                 if installed:
@@ -137,12 +138,12 @@ def option_candidates(facts: Facts, figures: Figures | None, max_level: int) -> 
 
 
 def _numa_variants(facts: Facts, add: object, skipped: list[Skipped]) -> None:
-    if not facts.applies("numa_affinity"):
-        reason = facts.features["numa_affinity"].reason if "numa_affinity" in facts.features else "not installed"
+    if not facts.applies(NUMA_AFFINITY.name):
+        reason = facts.features[NUMA_AFFINITY.name].reason if NUMA_AFFINITY.name in facts.features else "not installed"
         skipped.append(Skipped("NUMA affinity variants", reason))
         return
     assert callable(add)
-    env = facts.features["numa_affinity"].env
+    env = facts.features[NUMA_AFFINITY.name].env
     if facts.l3_per_node > 1:
         for option in ("partition_per_llc", "separate_by_roles"):
             flipped = not facts.numa_options.get(option, False)
@@ -169,9 +170,9 @@ def _numa_variants(facts: Facts, add: object, skipped: list[Skipped]) -> None:
 
 def _guards_fix(facts: Facts, figures: Figures | None, add: object, skipped: list[Skipped]) -> None:
     label = "ALL=1 +CONFIG_GUARDS_APPLY_FIX"
-    if not facts.applies("config_guards"):
-        skipped.append(Skipped(label, facts.features["config_guards"].reason
-                               if "config_guards" in facts.features else "not installed"))
+    if not facts.applies(CONFIG_GUARDS.name):
+        skipped.append(Skipped(label, facts.features[CONFIG_GUARDS.name].reason
+                               if CONFIG_GUARDS.name in facts.features else "not installed"))
         return
     cpus = (figures.cpus_allowed if figures and figures.cpus_allowed else None) or facts.cpus
     if figures is None or figures.workers + 1 <= cpus:
@@ -180,7 +181,7 @@ def _guards_fix(facts: Facts, figures: Figures | None, add: object, skipped: lis
                                       f"{cpus:g} CPUs): nothing to fix"))
         return
     assert callable(add)
-    env = facts.features["config_guards"].env
+    env = facts.features[CONFIG_GUARDS.name].env
     add(label, {env: "1", "LOONGKIT_CONFIG_GUARDS_APPLY_FIX": "1"}, DATA,
         f"{figures.workers} workers + main > {cpus:g} CPUs", [env])
 
