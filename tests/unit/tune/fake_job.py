@@ -7,7 +7,10 @@ is truly fastest is known. ``FAKE_RULES`` (JSON) is a list of
 rule whose variables all match applies, later rules over earlier ones. ``FAKE_STEP`` is the default
 step (seconds), ``FAKE_SLEEP`` real seconds spent per trial (for the budget), ``FAKE_JITTER`` the
 relative run-to-run noise of the step, ``FAKE_WORKERS`` the job's own worker count, and
-``FAKE_DATA_WAIT`` its data-wait share.
+``FAKE_DATA_WAIT`` its data-wait share. A rule's ``"seq": [s1, s2, ...]`` gives the step of its
+first, second, ... matching trial (the last one after that; counted in ``FAKE_STATE``, a directory):
+a machine whose load changes between trials. ``FAKE_ACTIVE`` (JSON ``{"name": level}``) lists the
+features whose code ran, as the Summary's rows say.
 """
 
 from __future__ import annotations
@@ -24,9 +27,15 @@ def main() -> int:
     step = float(os.environ.get("FAKE_STEP", "0.100"))
     crash = hang = False
     shift = 0.0
-    for rule in rules:
+    for index, rule in enumerate(rules):
         if all(os.environ.get(k) == v for k, v in rule.get("when", {}).items()):
             step = float(rule.get("step", step))
+            if rule.get("seq"):
+                counter = os.path.join(os.environ["FAKE_STATE"], f"rule-{index}")
+                seen = os.path.getsize(counter) if os.path.exists(counter) else 0
+                with open(counter, "a") as fh:
+                    fh.write(".")
+                step = float(rule["seq"][min(seen, len(rule["seq"]) - 1)])
             crash = bool(rule.get("crash", crash))
             hang = bool(rule.get("hang", hang))
             shift = float(rule.get("loss_shift", shift))
@@ -49,8 +58,10 @@ def main() -> int:
                    "gpu_idle_share": None, "workers": workers, "worker_cpu_used": 1.0, "cpus_allowed": 4.0,
                    "rss_growth_bytes_per_worker": None, "stragglers": [], "recommendations": [],
                    "stopped_at_max_steps": True}
-        summary = {"version": 1, "features": [{"name": "monitor", "state": "active",
-                                               "details": {"monitor": figures}}]}
+        active = json.loads(os.environ.get("FAKE_ACTIVE", "{}"))
+        rows = [{"name": name, "level": level, "state": "active", "active": True} for name, level in active.items()]
+        summary = {"version": 1, "features": [{"name": "monitor", "level": 1, "state": "active", "active": True,
+                                               "details": {"monitor": figures}}, *rows]}
         with open(path, "w") as fh:
             json.dump(summary, fh)
     return 0

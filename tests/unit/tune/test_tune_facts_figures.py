@@ -103,3 +103,23 @@ def test_figures_missing_say_why(tmp_path: Path) -> None:
     assert "unreadable" in figures.read(path)[2]
     bad = figures.from_details({"steps": "many", "step_median_s": float("nan"), "workers": True})
     assert (bad.steps, bad.step_median_s, bad.workers, bad.usable) == (0, None, 0, False)
+
+
+def test_active_level_counts_the_features_whose_code_ran() -> None:
+    """Rows as the Summary writes them (FeatureRecord.to_json of the real declarations)."""
+    from loongkit_data.plugin import plugin as data_plugin
+    from loongkit_monitor.tune.registration import WORKERS_FEATURE
+    from loongkit_monitor.tune.space import OWN_FEATURES
+
+    from loongkit_core.feature import FeatureRecord, State
+
+    declared = {f.name: f for f in data_plugin.loongkit_declare_features()}
+    ran = FeatureRecord(declared["pytorch"], State.APPLIED, enabled=True, calls=1)
+    deep = max((f for f in declared.values() if f.level > declared["pytorch"].level), key=lambda f: f.level)
+    armed = FeatureRecord(deep, State.ARMED, enabled=True)  # enabled by the level, its code never ran
+    workers = FeatureRecord(WORKERS_FEATURE, State.APPLIED, enabled=True, calls=3)
+    summary = {"features": [r.to_json() for r in (ran, armed, workers)]}
+    assert figures.active_level(summary, OWN_FEATURES) == declared["pytorch"].level
+    assert figures.active_level(summary) == max(declared["pytorch"].level, WORKERS_FEATURE.level)
+    assert figures.active_level({"features": [armed.to_json()]}, OWN_FEATURES) == 0
+    assert figures.active_level(None) is None and figures.active_level({"features": "?"}) is None

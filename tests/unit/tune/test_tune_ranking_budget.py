@@ -177,3 +177,30 @@ def test_progress_bar_lines() -> None:
     progress.line("  done")
     assert tty.getvalue().startswith("\rtune [#####.....] 2/4") and tty.getvalue().endswith("\r  done\n")
     assert clock_text(125.4) == "2:05"
+
+
+def test_losses_are_compared_over_the_whole_trial() -> None:
+    short = ranking.check_losses(LOSSES, LOSSES[:3], 1e-3)
+    assert not short.ok and short.text == "changes results: printed 3 losses, the baseline 4"
+    # a late divergence counts as much as an early one
+    late = ranking.check_losses(LOSSES, [*LOSSES[:3], 1.0015], 1e-3)
+    assert not late.ok and "over 4 losses" in late.text
+
+
+def test_the_tolerance_is_the_level_of_the_features_that_ran() -> None:
+    """Issue 31's healthy job: ALL=3 enabled only level-1 code there, so level 1's tolerance holds."""
+    b = base(0.1, 0.1)
+    moved = [*LOSSES[:3], 1.0 * (1 + 1.3e-3)]
+    all3 = standing("ALL=3", [0.08], level=3, losses=moved)
+    for t in all3.trials:
+        t.active_level = 1
+    ranking.judge(all3, b, Tolerances(), True)
+    assert all3.status == EXCLUDED and "> tolerance 0.001" in all3.reason
+    deep = standing("ALL=3", [0.08], level=3, losses=moved)
+    for t in deep.trials:
+        t.active_level = 3  # a level-3 feature's code ran: the deep tolerance
+    ranking.judge(deep, b, Tolerances(), True)
+    assert deep.status == OK
+    unknown = standing("ALL=3", [0.08], level=3, losses=moved)  # no Summary rows: the candidate's level
+    ranking.judge(unknown, b, Tolerances(), True)
+    assert unknown.status == OK

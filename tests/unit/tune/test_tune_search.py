@@ -42,8 +42,16 @@ def test_the_planted_fastest_is_chosen_and_the_bad_ones_are_excluded(
     assert [s.key for s in outcome.standings][:4] == ["workers=4", "workers=3", "workers=1", "workers=0"]
     winner = outcome.verdict.winner
     assert winner is not None and winner.key == "ALL=2 + workers=3", outcome.verdict.text
-    assert len(winner.good) == 3 and winner.median == 0.045
+    # Three trials in the search, three in the confirmation's blocks beside its two leave-one-outs.
+    assert len(winner.good) == 6 and winner.median == 0.045
     assert abs(winner.speedup(outcome.baseline) - 0.100 / 0.045) < 1e-9  # type: ignore[operator]
+    checked = outcome.confirmation
+    assert checked is not None and checked.candidate is winner and checked.pairs == 3
+    assert checked.gain is not None and abs(checked.gain - 0.100 / 0.045) < 1e-9
+    noise = f"{outcome.noise:.1%}"
+    assert checked.ablation == [f"ALL=2 kept: without it 1.11x the step (3 pairs, noise {noise})",
+                                f"workers=3 kept: without it 2.11x the step (3 pairs, noise {noise})"]
+    assert outcome.verdict.text.startswith("ALL=2 + workers=3: 2.22x the baseline, confirmed in 3 alternating pairs")
     crash = by_key["ALL=1 +MALLOC(jemalloc)"]
     assert crash.status == EXCLUDED and crash.reason == "crashed: exit code 1 (RuntimeError: planted crash)"
     changed = by_key["ALL=3"]
@@ -52,7 +60,7 @@ def test_the_planted_fastest_is_chosen_and_the_bad_ones_are_excluded(
     assert hang.status == EXCLUDED and hang.reason == "hangs: no exit within 3 s"
     # Clearly slower candidates ran once: halving dropped them; the baseline ran every round.
     assert by_key["workers=4"].status == DROPPED and len(by_key["workers=4"].trials) == 1
-    assert len(outcome.baseline.trials) == 4
+    assert len(outcome.baseline.trials) == 4 + 3
     # The user's LOONGKIT_ALL did not leak into the trials.
     assert "ignoring LOONGKIT_ALL" in err
     assert outcome.baseline.median == 0.100
@@ -115,3 +123,40 @@ def test_cli_usage_errors(capsys: object) -> None:
     assert args.func(args) == 2
     args = parser.parse_args(["tune", "--budget", "3", "--max-level", "2", "--", "python", "x.py", "--lr", "1"])
     assert args.cmd == ["--", "python", "x.py", "--lr", "1"] and args.max_level == 2
+
+
+def test_a_part_of_the_winner_that_does_not_help_is_left_out(
+        tmp_path: Path, fake_job: list[str], clean_env: dict[str, str]) -> None:
+    """Issue 31's thread job: ALL=1 +CONFIG_GUARDS_APPLY_FIX led the search, the gain was ALL=1's."""
+    fix = "LOONGKIT_CONFIG_GUARDS_APPLY_FIX"
+    rules = [{"when": {"LOONGKIT_ALL": "1"}, "step": 0.080},
+             {"when": {"LOONGKIT_ALL": "1", fix: "1"}, "step": 0.079}]
+    env = {**clean_env, "FAKE_RULES": json.dumps(rules), "FAKE_WORKERS": "4", "FAKE_DATA_WAIT": "0.01"}
+    outcome, out, _ = run_tune(tmp_path, fake_job, env, budget_minutes=3.0, max_level=2)
+    assert outcome.search_verdict is not None
+    assert outcome.search_verdict.winner is not None
+    assert outcome.search_verdict.winner.key == "ALL=1 +CONFIG_GUARDS_APPLY_FIX"
+    checked = outcome.confirmation
+    assert checked is not None and checked.ablation[0].startswith("ALL=1 kept: without it 1.27x the step")
+    assert checked.ablation[1].startswith(
+        "+CONFIG_GUARDS_APPLY_FIX left out: without it 1.01x the step, inside the noise")
+    assert outcome.verdict.winner is not None and outcome.verdict.winner.key == "ALL=1"
+    assert checked.gain is not None and abs(checked.gain - 0.100 / 0.080) < 1e-9
+    assert "export LOONGKIT_ALL=1\n#" in out and f"export {fix}" not in out
+    assert "ablation: +CONFIG_GUARDS_APPLY_FIX left out" in out
+    doc = json.loads((tmp_path / "out" / "tune.json").read_text())
+    assert doc["winner"]["env"] == {"LOONGKIT_ALL": "1"} and doc["confirmation"]["pairs"] == 3
+
+
+def test_a_leader_the_alternating_pairs_do_not_confirm_is_not_printed(
+        tmp_path: Path, fake_job: list[str], clean_env: dict[str, str]) -> None:
+    """Fast in the search's three trials (the machine was quieter then), equal beside the baseline."""
+    rules = [{"when": {COUNT: "3"}, "seq": [0.080, 0.080, 0.080, 0.100]}]
+    env = {**clean_env, "FAKE_RULES": json.dumps(rules), "FAKE_STATE": str(tmp_path)}
+    outcome, out, _ = run_tune(tmp_path, fake_job, env, max_level=1)
+    assert outcome.search_verdict is not None and outcome.search_verdict.winner is not None
+    assert outcome.search_verdict.winner.key == "workers=3"
+    assert outcome.verdict.winner is None
+    assert outcome.verdict.text.startswith("workers=3 not confirmed: 1.00x the baseline in 3 alternating pairs")
+    assert outcome.verdict.text.endswith("keep the job as it is")
+    assert "# loongkit tune: keep the job as it is (nothing to export)" in out

@@ -40,9 +40,10 @@ class Budget:
         recent: Sequence[float] = self.walls[-RECENT:]
         return max(recent) * MARGIN if recent else 0.0
 
-    def allows(self, cost: float | None = None) -> bool:
+    def allows(self, cost: float | None = None, keep_trials: int = 0) -> bool:
+        """Room for a trial of ``cost`` (default: the prediction) with ``keep_trials`` more kept back."""
         cost = self.predict() if cost is None else cost
-        return self.remaining() > 0 and cost <= self.remaining()
+        return self.remaining() > 0 and cost + keep_trials * self.predict() <= self.remaining()
 
     def eta(self, trials_left: int) -> float:
         """Seconds until the planned trials are done, never past the budget."""

@@ -117,6 +117,20 @@ def from_summary(summary: Mapping[str, Any]) -> tuple[Figures | None, str]:
     return from_details(details), ""
 
 
+def active_level(summary: Mapping[str, Any] | None, own: frozenset[str] = frozenset()) -> int | None:
+    """The highest level among the features whose code ran in the trial (``active`` in the JSON
+    Summary), leaving out tune's own (``own``); 0 when none ran, None without a readable Summary.
+    A feature that is enabled but never ran cannot have changed the job's numerics."""
+    if summary is None:
+        return None
+    features = summary.get("features")
+    if not isinstance(features, list):
+        return None
+    levels = [r.get("level") for r in features if isinstance(r, Mapping) and r.get("active") is True
+              and r.get("name") != MONITOR and r.get("name") not in own]
+    return max((lv for lv in levels if isinstance(lv, int) and not isinstance(lv, bool)), default=0)
+
+
 def read(path: str | Path) -> tuple[Figures | None, dict[str, Any] | None, str]:
     """(figures, whole summary, why not) from rank 0's Summary file."""
     try:

@@ -50,7 +50,9 @@ def check_losses(baseline: Sequence[float], candidate: Sequence[float], toleranc
         return LossCheck(True, "the job prints no losses")
     if not candidate:
         return LossCheck(False, f"changes results: printed no losses (the baseline printed {len(baseline)})")
-    n = min(len(baseline), len(candidate))
+    if len(candidate) < len(baseline):  # the whole trial or nothing: a divergence grows with the steps
+        return LossCheck(False, f"changes results: printed {len(candidate)} losses, the baseline {len(baseline)}")
+    n = len(baseline)
     result = compare_losses(list(baseline), list(candidate), n)
     if result["bitwise"]:
         return LossCheck(True, f"{n} losses bitwise identical")
@@ -154,6 +156,13 @@ def reproducible(baseline: Standing, tolerances: Tolerances) -> LossCheck:
                             "not reproducible, so not used to exclude settings")
 
 
+def tolerance_of(trial: TrialResult, standing: Standing, tolerances: Tolerances) -> float:
+    """The result tolerance of the features that ran in ``trial`` (a level-3 switch that enabled only
+    level-1 code here is held to level 1's), else of the candidate's level."""
+    level = trial.active_level if trial.active_level is not None else standing.candidate.level
+    return tolerances.for_level(level)
+
+
 def judge(standing: Standing, baseline: Standing, tolerances: Tolerances, losses_usable: bool) -> None:
     """Set ``standing``'s status from its trials: excluded (crash, hang, changed losses) or ok."""
     if standing.status == BUDGET and not standing.trials:
@@ -170,9 +179,8 @@ def judge(standing: Standing, baseline: Standing, tolerances: Tolerances, losses
     if standing.candidate.group == BASELINE or not losses_usable:
         standing.loss = None
     else:
-        tolerance = tolerances.for_level(standing.candidate.level)
         for trial in standing.good:
-            check = check_losses(base_losses, trial.losses, tolerance)
+            check = check_losses(base_losses, trial.losses, tolerance_of(trial, standing, tolerances))
             if not check.ok:
                 standing.status, standing.reason, standing.loss = EXCLUDED, check.text, check
                 return

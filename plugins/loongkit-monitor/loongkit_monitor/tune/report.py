@@ -89,6 +89,9 @@ def render_table(outcome: Outcome) -> str:
     lines.append(f"losses: {outcome.reproducible.text}")
     lines.extend(f"not tried: {k.label}: {k.reason}" for k in outcome.skipped)
     lines.extend(f"note: {n}" for n in outcome.facts.notes)
+    if outcome.confirmation is not None and outcome.search_verdict is not None:
+        lines.append(f"search: {outcome.search_verdict.text}")
+        lines.extend(f"ablation: {text}" for text in outcome.confirmation.ablation)
     lines.append(f"verdict: {outcome.verdict.text}")
     lines.append("=" * WIDTH)
     return "\n".join(lines) + "\n"
@@ -144,6 +147,14 @@ def _standing_json(s: Standing, outcome: Outcome) -> dict[str, Any]:
             "loss_check": s.loss.text if s.loss else None, "trials": [_trial_json(t) for t in s.trials]}
 
 
+def _confirmation_json(outcome: Outcome) -> dict[str, Any] | None:
+    c = outcome.confirmation
+    if c is None:
+        return None
+    return {"key": c.candidate.key if c.candidate else None, "confirmed": c.candidate is not None,
+            "gain": c.gain, "low": c.low, "high": c.high, "pairs": c.pairs, "ablation": c.ablation, "text": c.text}
+
+
 def to_json(outcome: Outcome, command: Sequence[str], steps: int) -> dict[str, Any]:
     facts = outcome.facts
     return {
@@ -158,6 +169,8 @@ def to_json(outcome: Outcome, command: Sequence[str], steps: int) -> dict[str, A
         "verdict": outcome.verdict.text,
         "fatal": outcome.fatal or None,
         "winner": {"key": outcome.verdict.winner.key, "env": winner_env(outcome)} if outcome.verdict.winner else None,
+        "search_verdict": outcome.search_verdict.text if outcome.search_verdict else None,
+        "confirmation": _confirmation_json(outcome),
         "baseline": _standing_json(outcome.baseline, outcome),
         "ranked": [_standing_json(s, outcome) for s in ranked(outcome)],
         "skipped": [{"label": k.label, "reason": k.reason} for k in outcome.skipped],

@@ -8,6 +8,8 @@
    noise, are tried together.
 4. Rounds 2..repeats: the clearly slower are dropped (successive halving), the baseline and the
    leaders run again; until the leaders have ``repeats`` trials or the budget is spent.
+5. The leader is ablated and confirmed in alternating blocks beside the baseline (:mod:`.confirm`);
+   steps 1-4 keep back the budget those blocks need. Only a confirmed setting is the winner.
 
 Every trial is a fresh process (:mod:`.trial`); a trial that died of torch's exit race at
 interpreter exit is run once more, as the project's tests do.
@@ -18,11 +20,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from loongkit_monitor.tune import ranking, space, trial
+from loongkit_monitor.tune import confirm, ranking, space, trial
 from loongkit_monitor.tune.budget import Budget, Progress, clock_text
+from loongkit_monitor.tune.confirm import Confirmation
 from loongkit_monitor.tune.facts import Facts
 from loongkit_monitor.tune.ranking import BUDGET, NOT_TRIED, OK, Standing, Tolerances, Verdict
-from loongkit_monitor.tune.space import Skipped
+from loongkit_monitor.tune.space import Candidate, Skipped
 from loongkit_monitor.tune.trial import Setup, TrialResult
 
 HANG_FACTOR = 3.0  # a trial with no exit after 3x the slowest baseline trial hangs ...
@@ -63,6 +66,8 @@ class Outcome:
     budget_s: float
     trials: int
     fatal: str = ""  # tune could not compare anything (the baseline failed)
+    search_verdict: Verdict | None = None  # the search's leader before its confirmation
+    confirmation: Confirmation | None = None
 
 
 class Search:
@@ -76,6 +81,16 @@ class Search:
         self.baseline = Standing(space.baseline())
         self.standings: list[Standing] = []
         self.skipped: list[Skipped] = []
+        self.confirming = False
+
+    def _kept_back(self) -> int:
+        """Trials the search leaves in the budget for confirming its leader, once it has one that beats
+        the baseline beyond the noise (before that, nothing would be confirmed)."""
+        if self.confirming or self.baseline.median is None:
+            return 0
+        bar = 1 + ranking.noise(self.baseline)
+        top = [s for s in ranking.leaders(self.standings)[:2] if (s.speedup(self.baseline) or 0) > bar]
+        return max((confirm.trials_needed(s.candidate) for s in top), default=0)
 
     # -- running ---------------------------------------------------------------------------------
     def _timeout(self) -> tuple[float, bool]:
@@ -91,7 +106,7 @@ class Search:
 
     def _run(self, standing: Standing) -> TrialResult | None:
         """One more trial of ``standing``, if the budget allows it (None when it does not)."""
-        if not self.budget.allows():
+        if not self.budget.allows(keep_trials=self._kept_back()):
             return None
         attempt = len(standing.trials) + 1
         label = f"{standing.key} #{attempt}"
@@ -152,7 +167,38 @@ class Search:
             if not self._repeat_round():
                 break
         self._judge_all()
-        return self._outcome()
+        return self._confirmed(self._outcome())
+
+    def _standing_for(self, candidate: Candidate) -> Standing:
+        """The search's standing of ``candidate``'s settings, or a new one shown in the table."""
+        if not candidate.env:
+            return self.baseline
+        for s in self.standings:
+            if s.candidate.env == candidate.env or dict(s.candidate.env) == dict(candidate.env):
+                return s
+        made = Standing(candidate)
+        self.standings.append(made)
+        return made
+
+    def _judge(self, standing: Standing) -> None:
+        ranking.judge(standing, self.baseline, self.plan.tolerances, self._losses_usable())
+
+    def _confirmed(self, outcome: Outcome) -> Outcome:
+        """The search's leader ablated and confirmed; the verdict becomes what the blocks showed."""
+        leader = outcome.verdict.winner
+        if leader is None:
+            return outcome
+        self.confirming = True
+        self.planned = self.trials + confirm.trials_needed(leader.candidate)
+        checked = confirm.Confirm(self._run, self._standing_for, self.baseline, self._judge).run(leader)
+        self._judge_all()
+        verdict = Verdict(checked.candidate, checked.text if checked.candidate is not None else
+                          f"{checked.text}: keep the job as it is")
+        if self.progress is not None:
+            self.progress.close()
+        return Outcome(self.baseline, self.standings, self.skipped, self.facts, ranking.noise(self.baseline),
+                       ranking.reproducible(self.baseline, self.plan.tolerances), verdict,
+                       self.budget.elapsed(), self.budget.seconds, self.trials, "", outcome.verdict, checked)
 
     def _losses_usable(self) -> bool:
         return ranking.reproducible(self.baseline, self.plan.tolerances).ok

@@ -37,6 +37,19 @@ DATA_CATEGORY = "Data preprocessing"
 
 
 @dataclass(frozen=True)
+class Part:
+    """One setting a candidate is made of (``ALL=1``, ``+MALLOC``, ``workers=3``): what leaving it out
+    of the candidate removes, when tune checks that every part of a winner earns its place."""
+
+    label: str
+    env: tuple[tuple[str, str], ...]
+    group: str
+    level: int
+    topic: str = COMPUTE
+    enables: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
 class Candidate:
     key: str  # the table's label: "ALL=2", "ALL=1 +MALLOC(jemalloc)", "workers=4"
     env: tuple[tuple[str, str], ...]  # set on top of the trial's base environment
@@ -45,6 +58,14 @@ class Candidate:
     topic: str = COMPUTE
     why: str = ""
     enables: frozenset[str] = field(default=frozenset(), compare=False)  # feature variables it turns on
+    parts: tuple[Part, ...] = field(default=(), compare=False)  # () : the candidate is one part
+
+    @property
+    def pieces(self) -> tuple[Part, ...]:
+        """The parts, the candidate itself when it was built as one."""
+        if self.parts or self.group == BASELINE:
+            return self.parts
+        return (Part(self.key, self.env, self.group, self.level, self.topic, self.enables),)
 
     @property
     def environ(self) -> dict[str, str]:
@@ -111,9 +132,13 @@ def option_candidates(facts: Facts, figures: Figures | None, max_level: int) -> 
     base = _level_set(facts, 1)
     all2 = _level_set(facts, 2)
 
+    level1 = Part("ALL=1", (("LOONGKIT_ALL", "1"),), LEVELS, 1, COMPUTE, base)
+
     def add(key: str, extra: Mapping[str, str], topic: str, why: str, enables: Iterable[str] = ()) -> None:
         env = {"LOONGKIT_ALL": "1", **extra}
-        out.append(_candidate(key, env, OPTIONS, 2, topic, why, base | frozenset(enables)))
+        option = Part(key.removeprefix("ALL=1 "), tuple(extra.items()), OPTIONS, 2, topic, frozenset(enables))
+        out.append(Candidate(key, tuple(env.items()), OPTIONS, 2, topic, why, base | frozenset(enables),
+                             (level1, option)))
 
     for f in sorted((f for f in _usable(facts) if f.level == 2), key=lambda f: f.name):
         topic = DATA if f.category == DATA_CATEGORY else COMPUTE
@@ -241,9 +266,31 @@ def gpu_candidates(facts: Facts, max_level: int) -> tuple[list[Candidate], list[
 def combine(features: Candidate, workers: Candidate) -> Candidate:
     """The best feature setting and the best worker count together."""
     env = {**features.environ, **workers.environ}
-    return _candidate(f"{features.key} + {workers.key}", env, COMBINED, max(features.level, workers.level),
-                      workers.topic, f"best of {features.group} and of workers together",
-                      features.enables | workers.enables)
+    return Candidate(f"{features.key} + {workers.key}", tuple(env.items()), COMBINED,
+                     max(features.level, workers.level), workers.topic,
+                     f"best of {features.group} and of workers together", features.enables | workers.enables,
+                     features.pieces + workers.pieces)
+
+
+def of_parts(parts: Sequence[Part]) -> Candidate:
+    """The candidate made of ``parts`` (the baseline when there are none)."""
+    if not parts:
+        return baseline()
+    if len(parts) == 1:
+        p = parts[0]
+        return Candidate(p.label, p.env, p.group, p.level, p.topic, "", p.enables)
+    env: dict[str, str] = {}
+    for p in parts:
+        env.update(p.env)
+    return Candidate(" ".join(p.label if i == 0 or p.label.startswith("+") else f"+ {p.label}"
+                              for i, p in enumerate(parts)), tuple(env.items()), COMBINED,
+                     max(p.level for p in parts), parts[-1].topic, "", frozenset().union(*(p.enables for p in parts)),
+                     tuple(parts))
+
+
+def without(candidate: Candidate, part: Part) -> Candidate:
+    """``candidate`` with ``part`` left out (leave-one-out ablation of a winner)."""
+    return of_parts([p for p in candidate.pieces if p != part])
 
 
 def _recommended(candidate: Candidate, recommendations: Sequence[str]) -> bool:

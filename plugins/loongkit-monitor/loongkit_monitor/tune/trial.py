@@ -25,7 +25,7 @@ from typing import TextIO
 from loongkit_core.compare import parse_metrics
 from loongkit_monitor.tune import figures as figures_mod
 from loongkit_monitor.tune.figures import Figures
-from loongkit_monitor.tune.space import Candidate
+from loongkit_monitor.tune.space import OWN_FEATURES, Candidate
 
 KILL_GRACE_S = 5.0  # SIGTERM first (the job's own handlers, loongkit's Summary), then SIGKILL
 TAIL_CHARS = 4000
@@ -58,6 +58,7 @@ class TrialResult:
     output_tail: str = ""
     summary_path: str = ""
     exit_race: bool = False  # died of torch's exit race after its work (retried once by the search)
+    active_level: int | None = None  # the highest level of the features that ran (None: unknown)
 
     @property
     def ok(self) -> bool:
@@ -159,9 +160,10 @@ def run(setup: Setup, candidate: Candidate, index: int, attempt: int, timeout: f
     except OSError:
         pass
     losses = parse_metrics(output)["loss"]
-    figures, _summary, why = figures_mod.read(summary_path)
+    figures, summary, why = figures_mod.read(summary_path)
     result = TrialResult(candidate.key, attempt, proc.returncode, wall, figures, losses,
-                         output_tail=output[-TAIL_CHARS:], summary_path=str(summary_path))
+                         output_tail=output[-TAIL_CHARS:], summary_path=str(summary_path),
+                         active_level=figures_mod.active_level(summary, OWN_FEATURES))
     if timed_out:
         result.error, result.kind = ((f"stopped after {timeout:.0f} s: the budget ran out", "budget") if budget_cut
                                      else (f"hangs: no exit within {timeout:.0f} s", "hang"))
