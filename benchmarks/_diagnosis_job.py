@@ -9,7 +9,8 @@ data, a DataLoader, an optimizer. Each knob plants one cause (or leaves the job 
 * ``threads`` (torch.set_num_threads), ``width`` of the model (its compute);
 * ``keep_mib`` per step kept by the main loop (a leak), ``worker_keep_kib`` per sample kept by each
   worker, ``records`` (a list of dicts the dataset indexes: copy-on-write in fork workers);
-* ``sleep_rank`` / ``rank_sleep_ms``: one rank of a torchrun job slower than the others.
+* ``sleep_rank`` / ``rank_sleep_ms``: one rank of a torchrun job slower than the others;
+* ``print_loss``: a ``step N loss: X`` line per step (what ``loongkit tune`` compares results by).
 
 It prints ``RESULT {...}``: its own mean step after the first (perf_counter around each step, the
 job's own clock) and its own memory (main RSS and the workers' private memory at a third
@@ -30,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 CFG = {"steps": 60, "batch": 8, "workers": 0, "persistent": False, "epochs": 1, "rebuild": False, "numpy_ms": 0.0,
        "sleep_ms": 0.0, "collate_ms": 0.0, "threads": 1, "width": 256, "keep_mib": 0.0, "worker_keep_kib": 0.0,
-       "records": 0, "tensor_dataset": False, "rank_sleep_ms": 0.0, "sleep_rank": 1, "files": ""}
+       "records": 0, "tensor_dataset": False, "rank_sleep_ms": 0.0, "sleep_rank": 1, "files": "", "print_loss": False}
 
 KEPT: list[object] = []  # what a leaking worker keeps (per process)
 
@@ -145,6 +146,8 @@ def main() -> None:
             opt.zero_grad()
             loss.backward()
             opt.step()
+            if cfg["print_loss"] and rank == 0:
+                print(f"step {done} loss: {loss.item():.8f}", flush=True)
             if cfg["rank_sleep_ms"] and rank == int(cfg["sleep_rank"]):
                 time.sleep(cfg["rank_sleep_ms"] / 1000)
             if cfg["keep_mib"]:

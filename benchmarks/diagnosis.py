@@ -21,6 +21,11 @@ Prints each case's line, then ``BENCH diagnosis_recall baseline=<confirmed> ours
     python benchmarks/diagnosis.py            # every case (about 6 minutes on 2 CPUs)
     python benchmarks/diagnosis.py --quick    # four cases, no repeat: under a minute
     python benchmarks/diagnosis.py --case threads_oversubscribed --json out.json
+
+``--tune`` runs ``loongkit tune`` on TUNE_CASES instead (``_diagnosis_tune.py``): whether its choice is
+within the noise of the best setting the suite measured, its claimed gain against the measured one, and
+"keep" on the controls; ``BENCH tune_choice`` / ``tune_claims`` / ``tune_keep`` (about 5 minutes a job;
+``--tune --quick``: two jobs at a shorter budget, about 8 minutes).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import _diagnosis_tune
 from _timing import bench_line
 
 HERE = Path(__file__).resolve().parent
@@ -100,6 +106,50 @@ CASES = (
     Case("healthy_ddp", {"width": 768, "batch": 128, "steps": 40}, ranks=2),
 )
 QUICK = ("data_bound_numpy", "memory_main", "loaders_rebuilt", "healthy_compute")
+# tune's knobs reach these causes (worker counts, the thread fix, the levels); the memory, straggler and
+# loader-structure causes are the job's code, which no LOONGKIT_* setting changes.
+TUNE_CASES = ("data_bound_numpy", "slow_collate", "too_few_workers", "threads_oversubscribed",
+              "threads_beside_busy_workers", "healthy_compute", "healthy_tensor_workers", "healthy_light_numpy")
+TUNE_QUICK = ("data_bound_numpy", "healthy_compute")
+TUNE_BUDGET_S, TUNE_QUICK_BUDGET_S = 180.0, 120.0
+TUNE_STEPS = 40
+TUNE_BAR = 0.90  # --check: tune's choice within the noise of the suite's best in 90 % of the jobs
+
+
+def tune_main(names: list[str], budget_s: float, check: bool, json_path: str | None) -> None:
+    cpus = len(os.sched_getaffinity(0))
+    verdicts = []
+    with tempfile.TemporaryDirectory(prefix="loongkit-diagnosis-tune-") as tmp:
+        for case in (c for c in CASES if c.name in names):
+            steps = min(TUNE_STEPS, int(case.cfg.get("steps", 60)))
+            v = _diagnosis_tune.judge(case.name, case.cfg, case.fix is None, JOB, Path(tmp), budget_s, steps, cpus)
+            verdicts.append(v)
+            print(_diagnosis_tune.line(v), flush=True)
+    t = _diagnosis_tune.totals(verdicts)
+    print(f"tune: {t['jobs']} jobs; choice within the noise of the suite's best: {t['within_noise']}; "
+          f"claims inside their spread: {t['claims_hold']} of {t['claims']}; controls kept: {t['kept']} of "
+          f"{t['controls']}" + (f"; errors: {', '.join(t['errors'])}" if t["errors"] else ""), flush=True)
+    if t["jobs"]:
+        bench_line("tune_choice", t["jobs"], max(t["within_noise"], 1e-9), digits=0)
+    if t["claims"]:
+        bench_line("tune_claims", t["claims"], max(t["claims_hold"], 1e-9), digits=0)
+    if t["controls"]:
+        bench_line("tune_keep", t["controls"], max(t["kept"], 1e-9), digits=0)
+    if json_path:
+        Path(json_path).write_text(json.dumps([{**v.__dict__, "within_noise": v.within_noise,
+                                                "measured_gain": v.measured_gain, "claim_holds": v.claim_holds}
+                                               for v in verdicts], indent=1))
+    if t["errors"]:
+        sys.exit(1)
+    if check:
+        failed = [text for text, bad in (
+            (f"choice within the noise in {t['within_noise']}/{t['jobs']}", t["within_noise"] < TUNE_BAR * t["jobs"]),
+            (f"claims inside their spread {t['claims_hold']}/{t['claims']}", t["claims_hold"] < t["claims"]),
+            (f"controls kept {t['kept']}/{t['controls']}", t["kept"] < t["controls"])) if bad]
+        if failed:
+            print(f"tune check FAILED: {'; '.join(failed)}", flush=True)
+            sys.exit(1)
+        print("tune check passed", flush=True)
 
 
 @dataclass
@@ -255,7 +305,15 @@ def main() -> None:
     parser.add_argument("--json", help="write every run's figures and claims here")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 below 95 %% recall or precision, on a claim on a control or a changed verdict")
+    parser.add_argument("--tune", action="store_true", help="loongkit tune on the jobs its knobs reach, instead")
     args = parser.parse_args()
+    if args.tune:
+        names = args.case or list(TUNE_QUICK if args.quick else TUNE_CASES)
+        unknown = set(names) - {c.name for c in CASES}
+        if unknown:
+            parser.error(f"unknown case(s): {', '.join(sorted(unknown))}")
+        tune_main(names, TUNE_QUICK_BUDGET_S if args.quick else TUNE_BUDGET_S, args.check, args.json)
+        return
     names = args.case or (QUICK if args.quick else [c.name for c in CASES])
     unknown = set(names) - {c.name for c in CASES}
     if unknown:
