@@ -93,6 +93,7 @@ def build(monitor: Monitor, records: list[Any] | None = None) -> dict[str, Any]:
         "steps": fig.steps,
         "warm_steps": fig.warm_steps,
         "step_median_s": fig.median_s,
+        "step_mean_s": fig.wall_s / fig.warm_steps if fig.warm_steps and fig.median_s is not None else None,
         "step_p90_s": fig.p90_s,
         "data_wait_share": fig.data_wait_share,
         "data_wait_median_s": fig.data_wait_median_s,
@@ -143,6 +144,7 @@ def build(monitor: Monitor, records: list[Any] | None = None) -> dict[str, Any]:
     details["recommendations"] = found.recommendations
     details["unclear"] = found.unclear
     details["others_cpu"] = facts.others_cpu
+    details["torch_threads"] = threads
     details["neighbours"] = [{"name": n, "pid": p, "cpus": c} for n, p, c in facts.neighbours]
     if facts.main_slope is not None:
         details["main_rss_slope_bytes_per_s"] = facts.main_slope.per_s

@@ -123,3 +123,11 @@ def test_active_level_counts_the_features_whose_code_ran() -> None:
     assert figures.active_level(summary) == max(declared["pytorch"].level, WORKERS_FEATURE.level)
     assert figures.active_level({"features": [armed.to_json()]}, OWN_FEATURES) == 0
     assert figures.active_level(None) is None and figures.active_level({"features": "?"}) is None
+
+
+def test_tune_ranks_by_the_mean_warm_step_when_the_monitor_gives_it() -> None:
+    """A median hides the steps that wait for data; the mean is what the user's wall time adds up."""
+    with_mean = figures.from_details({**MONITOR, "step_median_s": 0.012, "step_mean_s": 0.015, "torch_threads": 8})
+    assert with_mean.step_s == 0.015 and with_mean.torch_threads == 8 and with_mean.usable
+    without = figures.from_details({**MONITOR, "step_median_s": 0.012})
+    assert without.step_s == 0.012 and without.torch_threads is None

@@ -81,6 +81,13 @@ def test_guards_fix_only_when_the_job_oversubscribes() -> None:
     made, _ = space.option_candidates(cpu_box(), figures(workers=6, cpus_allowed=4.0), 2)
     fix = [c for c in made if "APPLY_FIX" in c.key]
     assert fix and fix[0].environ["LOONGKIT_CONFIG_GUARDS_APPLY_FIX"] == "1" and fix[0].topic == space.DATA
+    # torch.set_num_threads(8) on 4 CPUs with one worker: the job's threads oversubscribe (the suite's
+    # threads_oversubscribed job, where the fix made the job 2x faster)
+    made, _ = space.option_candidates(cpu_box(), figures(workers=1, cpus_allowed=4.0, torch_threads=8), 2)
+    fix = [c for c in made if "APPLY_FIX" in c.key]
+    assert fix and fix[0].why == "8 torch threads > 4 CPUs" and fix[0].topic == space.COMPUTE
+    _, left = space.option_candidates(cpu_box(), figures(workers=1, cpus_allowed=4.0, torch_threads=4), 2)
+    assert any(k.label.endswith("APPLY_FIX") and "4 torch threads, 4 CPUs" in k.reason for k in left)
 
 
 def test_worker_counts() -> None:

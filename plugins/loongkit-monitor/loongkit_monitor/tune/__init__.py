@@ -1,5 +1,5 @@
 """``loongkit tune -- <training command>``: run the job briefly under candidate LOONGKIT_* settings and
-rank them by the training monitor's median warm step.
+rank them by the training monitor's mean warm step.
 
 One job per module:
 

@@ -2,7 +2,7 @@
 
 Runs the training command for N steps (LOONGKIT_MONITOR_MAX_STEPS) under candidate LOONGKIT_*
 settings, each trial a fresh process under loongkit-run, and ranks them by the training monitor's
-median warm step: LOONGKIT_ALL=1..L, each level-2 option that applies on this machine, the
+mean warm step: LOONGKIT_ALL=1..L, each level-2 option that applies on this machine, the
 DataLoader worker count (LOONGKIT_DATALOADER_WORKERS_COUNT), TF32 and compile features on a GPU.
 Clearly slower candidates are dropped early, the leaders and the baseline repeated; a candidate
 that crashes, hangs or changes the losses is reported and never chosen. Stays inside --budget.

@@ -11,7 +11,7 @@ credits a combined setting as a whole. Before tune prints a winner:
    setting wins a tie, and a part is kept only when the job is measurably slower without it.
 2. Confirmation: what remains against the baseline, over the same blocks: every paired ratio
    (baseline step / candidate step within one block) above 1 + the noise (a gain one block in three
-   does not show is not one to change a job's settings for).
+   does not show is not one to change a job's settings for), and their median at least MIN_GAIN.
    The gain tune claims is that median, with the range of the pairs as its spread.
 
 A candidate that fails is not printed as the winner: the verdict keeps the job as it is and says what
@@ -24,11 +24,15 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from loongkit_monitor.advice import MIN_GAIN as MIN_ADVISED_GAIN
 from loongkit_monitor.tune import ranking, space
 from loongkit_monitor.tune.ranking import EXCLUDED, Standing
 from loongkit_monitor.tune.space import Candidate, Part
 from loongkit_monitor.tune.trial import TrialResult
 
+# The gain below which the product advises nothing (the monitor's claims use the same bar): a changed
+# setting is a risk on the user's next job and machine, worth taking for a real gain only.
+MIN_GAIN = MIN_ADVISED_GAIN
 BLOCKS = 3  # trials of each arm per confirmation; two complete blocks at the least
 MIN_BLOCKS = 2
 
@@ -137,11 +141,12 @@ class Confirm:
                                 text=f"{current.key} not confirmed: {len(gains)} clean pair(s) with the baseline")
         gain = statistics.median(gains)
         found = Confirmation(current, gain, min(gains), max(gains), len(gains), self.ablation)
-        if min(gains) > 1 + level_noise:
+        if min(gains) > 1 + level_noise and gain >= MIN_GAIN:
             found.text = (f"{current.key}: {gain:.2f}x the baseline, confirmed in {len(gains)} alternating pairs "
                           f"({found.spread}; noise {level_noise:.1%})")
             return found
         found.candidate = None
         found.text = (f"{current.key} not confirmed: {gain:.2f}x the baseline in {len(gains)} alternating pairs "
-                      f"({found.spread}), not every pair faster beyond the noise ({level_noise:.1%})")
+                      f"({found.spread}): not every pair faster beyond the noise ({level_noise:.1%}), or "
+                      f"less than the {MIN_GAIN:.2f}x a changed setting must give")
         return found

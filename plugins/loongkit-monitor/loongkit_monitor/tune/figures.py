@@ -39,12 +39,20 @@ class Figures:
     stopped_at_max_steps: bool
     recommendations: tuple[Recommendation, ...] = ()
     ranks: int = 1
+    step_mean_s: float | None = None  # the warm steps' mean: the job's throughput (a wait for data counts)
+    torch_threads: int | None = None  # the main process's intra-op threads at the end
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def usable(self) -> bool:
-        """A median warm step to rank by."""
-        return self.step_median_s is not None and self.step_median_s > 0
+        """A warm step to rank by."""
+        return self.step_s is not None and self.step_s > 0
+
+    @property
+    def step_s(self) -> float | None:
+        """What tune ranks by: the mean warm step (total time is what a user waits for), the median
+        from a monitor that does not give the mean."""
+        return self.step_mean_s if self.step_mean_s is not None else self.step_median_s
 
     @property
     def data_bound(self) -> bool:
@@ -93,6 +101,8 @@ def from_details(details: Mapping[str, Any]) -> Figures:
         stopped_at_max_steps=bool(details.get("stopped_at_max_steps")),
         recommendations=recommendations,
         ranks=len(ranks) if isinstance(ranks, Mapping) and ranks else 1,
+        step_mean_s=_float(details.get("step_mean_s")),
+        torch_threads=_int(details.get("torch_threads")) or None,
         raw=dict(details),
     )
 

@@ -1,7 +1,8 @@
 """Trials folded per candidate: median step, spread, loss check, exclusions, the noise, the winner.
 
-* A candidate's figure is the median of its trials' median warm steps; its spread the range of
-  those medians relative to that figure (one trial: no spread, shown as such).
+* A candidate's figure is the median of its trials' mean warm steps (the monitor's ``step_mean_s``;
+  its median step where a Summary lacks it); its spread the range of those figures relative to it
+  (one trial: no spread, shown as such).
 * Excluded, and never chosen: a candidate with any trial that crashed or hung, or whose losses are
   not the baseline's within the tolerance (the level-1 tolerance for level 0-1 settings, the
   deep one for level 2-3). The loss check only runs when the job prints losses and two baseline
@@ -120,10 +121,10 @@ def trial_noise(trial: TrialResult) -> float:
     """Relative standard error of one trial's median step, from its p90 (normal steps: p90 - median
     is about 1.28 sigma; the median's error is about 1.25 sigma / sqrt(n))."""
     f = trial.figures
-    if f is None or not f.step_median_s or f.step_p90_s is None or f.warm_steps < 2:
+    if f is None or not f.step_median_s or f.step_p90_s is None or f.warm_steps < 2 or not f.step_s:
         return 0.0
     sigma = max(0.0, f.step_p90_s - f.step_median_s) / 1.28
-    return 1.25 * sigma / math.sqrt(f.warm_steps) / f.step_median_s
+    return 1.25 * sigma / math.sqrt(f.warm_steps) / f.step_s
 
 
 def run_to_run(values: Sequence[float]) -> float | None:

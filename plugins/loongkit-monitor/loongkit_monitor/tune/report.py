@@ -74,7 +74,7 @@ def render_table(outcome: Outcome) -> str:
     cells = [COLUMNS, *((str(numbered.index(s) + 1) if s in numbered else "-", *row(s, outcome)) for s in rows)]
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS) - 1)]
     lines = ["=" * WIDTH, f"loongkit tune: {outcome.trials} trials in {clock_text(outcome.elapsed_s)} "
-                          f"(budget {clock_text(outcome.budget_s)}), ranked by the monitor's median warm step",
+                          f"(budget {clock_text(outcome.budget_s)}), ranked by the monitor's mean warm step",
              "-" * WIDTH]
     for i, cell in enumerate(cells):
         text = "  ".join(c.ljust(w) if j in (0, len(widths) - 1) else c.rjust(w)
@@ -217,7 +217,7 @@ def write_png(path: str | os.PathLike[str], outcome: Outcome) -> str | None:
     ax.set_yticks(y, labels)
     if outcome.baseline.median is not None:
         ax.axvline(outcome.baseline.median * 1000, color="tab:orange", linestyle="--", linewidth=1)
-    ax.set_xlabel("median warm step (ms); bars: range of the trials' medians")
+    ax.set_xlabel("mean warm step (ms); bars: range of the trials' medians")
     ax.set_title(f"loongkit tune: {outcome.trials} trials in {clock_text(outcome.elapsed_s)}\n"
                  "green: winner, orange: baseline, blue: ok, gray: dropped, red: excluded", fontsize=10)
     fig.tight_layout()

@@ -200,15 +200,18 @@ def _guards_fix(facts: Facts, figures: Figures | None, add: object, skipped: lis
                                if CONFIG_GUARDS.name in facts.features else "not installed"))
         return
     cpus = (figures.cpus_allowed if figures and figures.cpus_allowed else None) or facts.cpus
-    if figures is None or figures.workers + 1 <= cpus:
+    threads = figures.torch_threads if figures is not None else None
+    if figures is None or (figures.workers + 1 <= cpus and (threads or 0) <= cpus):
         workers = "unknown" if figures is None else str(figures.workers)
         skipped.append(Skipped(label, f"the job does not oversubscribe its CPUs ({workers} workers + main, "
-                                      f"{cpus:g} CPUs): nothing to fix"))
+                                      f"{threads or '?'} torch threads, {cpus:g} CPUs): nothing to fix"))
         return
     assert callable(add)
     env = facts.features[CONFIG_GUARDS.name].env
-    add(label, {env: "1", "LOONGKIT_CONFIG_GUARDS_APPLY_FIX": "1"}, DATA,
-        f"{figures.workers} workers + main > {cpus:g} CPUs", [env])
+    why = (f"{figures.workers} workers + main > {cpus:g} CPUs" if figures.workers + 1 > cpus
+           else f"{threads} torch threads > {cpus:g} CPUs")
+    add(label, {env: "1", "LOONGKIT_CONFIG_GUARDS_APPLY_FIX": "1"}, DATA if figures.workers + 1 > cpus else COMPUTE,
+        why, [env])
 
 
 def worker_counts(current: int, per_rank_cpus: int, *, data_bound: bool, saturated: bool) -> list[int]:

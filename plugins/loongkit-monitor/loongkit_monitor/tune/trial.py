@@ -66,7 +66,7 @@ class TrialResult:
 
     @property
     def step_s(self) -> float | None:
-        return self.figures.step_median_s if self.figures is not None else None
+        return self.figures.step_s if self.figures is not None else None
 
 
 def trial_environ(setup: Setup, candidate: Candidate, summary_path: Path) -> dict[str, str]:
