@@ -68,12 +68,15 @@ def build(monitor: Monitor, records: list[Any] | None = None) -> dict[str, Any]:
     final = procstat.sample(cpus=getattr(monitor, "cpus", None))
     fig = analysis.step_figures(rec.steps, rec.walls, rec.waits, rec.syncs, rec.first_timed, monitor.distributed)
     window = _window(monitor, fig.warm_from, final)
+    # Memory is read at the last step boundary: by the exit's sample the job may have freed what its
+    # loop kept (its locals are gone), which would hide a leak and bend the fit.
+    trained = monitor.samples[-1][1] if monitor.samples else final
     main_cpu = rss_growth_main = main_wait = None
     majflt = minflt = 0
     if window is not None:
         start, end = window
         main_cpu = (end.cpu_s - start.cpu_s) / (end.t - start.t)
-        rss_growth_main = end.rss - start.rss
+        rss_growth_main = trained.rss - start.rss
         majflt, minflt = end.majflt - start.majflt, end.minflt - start.minflt
         if start.run_delay_s is not None and end.run_delay_s is not None:
             main_wait = min(1.0, (end.run_delay_s - start.run_delay_s) / (end.t - start.t))
@@ -114,7 +117,7 @@ def build(monitor: Monitor, records: list[Any] | None = None) -> dict[str, Any]:
         "main_cpu_used": main_cpu,
         "main_cpu_wait_share": main_wait,
         "worker_cpu_wait_share": workers.cpu_wait_share if workers else None,
-        "main_rss_bytes": final.rss,
+        "main_rss_bytes": trained.rss,
         "main_rss_growth_bytes": rss_growth_main,
         "main_major_faults": majflt,
         "main_minor_faults": minflt,
@@ -182,6 +185,7 @@ def _facts(monitor: Monitor, fig: analysis.StepFigures, window: tuple[procstat.U
            ranks: dict[int, dict[str, Any]], final: procstat.Usage, features: Any) -> advice.Facts:
     """What the advice rules read, from this process's samples and its workers' reports."""
     main_cpu = main_wait = others = slope = blocks = None
+    trained = monitor.samples[-1][1] if monitor.samples else final  # memory at the last step boundary
     span = 0.0
     neighbours: list[tuple[str, int, float]] = []
     if window is not None:
@@ -194,9 +198,7 @@ def _facts(monitor: Monitor, fig: analysis.StepFigures, window: tuple[procstat.U
         if start.cpus_busy_s is not None and end.cpus_busy_s is not None:
             others = max(0.0, (end.cpus_busy_s - start.cpus_busy_s) / span - job)
         inside = [u for _, u in monitor.samples if start.t <= u.t <= end.t]
-        if end is final:
-            inside.append(final)
-        slope = advice.fit([(u.t, float(u.rss)) for u in inside])
+        slope = advice.fit([(u.t, float(u.rss)) for u in inside])  # step boundaries only: not the exit's
         with_blocks = [u for u in inside if u.py_blocks is not None]
         if len(with_blocks) >= 2 and with_blocks[-1].t > with_blocks[0].t:
             blocks = ((with_blocks[-1].py_blocks or 0) - (with_blocks[0].py_blocks or 0)) / (
@@ -228,7 +230,7 @@ def _facts(monitor: Monitor, fig: analysis.StepFigures, window: tuple[procstat.U
         worker_slots=workers.slots if workers else 0, workers_cpu=workers.cpu_used if workers else None,
         workers_cpu_wait=workers.cpu_wait_share if workers else None, main_cpu_wait=main_wait,
         worker_growth=growth, worker_growth_kind=growth_kind, worker_rss=workers.rss_mean if workers else None,
-        window_s=span, main_cpu=main_cpu, main_rss=float(final.rss), main_slope=slope, blocks_per_s=blocks,
+        window_s=span, main_cpu=main_cpu, main_rss=float(trained.rss), main_slope=slope, blocks_per_s=blocks,
         memory_limit=limit, memory_limit_note=limit_note, others_cpu=others, neighbours=neighbours,
         allowed=allowance.cpus, allowed_note=allowance.describe(),
         local_ranks=getattr(monitor.process, "local_world_size", None) or 1, torch_threads=threads,
