@@ -3,13 +3,14 @@
 For each job: ``loongkit tune`` runs with a fixed budget and prints its verdict (a confirmed winner with
 its claimed gain and spread, or "keep the job as it is"). Then the suite measures, on its own, the whole
 job (every step, the job's own clock) under a fixed list of settings that covers tune's space on this
-machine (the levels, every worker count up to the CPUs, the thread fix) plus tune's choice, in rounds
+machine and beyond it (the levels, every worker count up to the CPUs and 2x and 4x the CPUs, the thread
+fix) plus tune's choice, in rounds
 whose order rotates, and takes each setting's median over the rounds. Scores:
 
 * choice: tune's choice (its winner, or the job as it is) is within the noise of the best setting the
   suite measured (noise: the baseline's own spread over the rounds, at least NOISE_FLOOR);
 * claim: a winner's measured gain lies in the spread tune stated (its pairs' range, widened by the
-  noise tune printed);
+  noise tune printed), the measured gain taken within the suite's own noise (it is a measurement too);
 * keep: on every healthy control tune keeps the job as it is.
 
 A helper of ``diagnosis.py --tune`` (``loongkit bench`` skips ``_``-prefixed files).
@@ -36,7 +37,9 @@ def reference_settings(cpus: int) -> dict[str, dict[str, str]]:
     settings: dict[str, dict[str, str]] = {"baseline": {}}
     for level in (1, 2, 3):
         settings[f"ALL={level}"] = {"LOONGKIT_ALL": str(level)}
-    for n in range(0, cpus + 1):
+    # Every count up to the CPUs, then beyond them: workers that wait on I/O overlap even on few CPUs, so
+    # the best count of such a job lies outside a search that stays within the CPUs.
+    for n in (*range(0, cpus + 1), 2 * cpus, 4 * cpus):
         settings[f"workers={n}"] = {WORKERS[0]: "1", WORKERS[1]: str(n)}
     settings["ALL=1 +CONFIG_GUARDS_APPLY_FIX"] = {"LOONGKIT_ALL": "1", "LOONGKIT_CONFIG_GUARDS": "1",
                                                   "LOONGKIT_CONFIG_GUARDS_APPLY_FIX": "1"}
@@ -58,6 +61,7 @@ class TuneVerdict:
     measured: dict[str, float] = field(default_factory=dict)  # setting -> median job step (s)
     noise: float = NOISE_FLOOR
     error: str = ""
+    account: dict[str, Any] = field(default_factory=dict)  # tune's own: its search, confirmation, standings
 
     @property
     def best(self) -> tuple[str, float]:
@@ -79,10 +83,12 @@ class TuneVerdict:
 
     @property
     def claim_holds(self) -> bool | None:
-        """None without a winner (nothing claimed)."""
+        """None without a winner (nothing claimed). Both figures are measurements: tune's spread (its pairs'
+        range, widened by its noise) and the suite's gain (within the suite's own noise) must overlap."""
         if self.claimed is None or self.low is None or self.high is None or self.measured_gain is None:
             return None
-        return self.low * (1 - self.tune_noise) <= self.measured_gain <= self.high * (1 + self.tune_noise)
+        low, high = self.low * (1 - self.tune_noise), self.high * (1 + self.tune_noise)
+        return low <= self.measured_gain * (1 + self.noise) and self.measured_gain * (1 - self.noise) <= high
 
 
 def run_tune(job: Path, cfg: dict[str, Any], work: Path, budget_s: float, steps: int) -> dict[str, Any]:
@@ -120,6 +126,10 @@ def judge(name: str, cfg: dict[str, Any], control: bool, job: Path, work: Path, 
                           conf.get("gain") if winner else None, conf.get("low") if winner else None,
                           conf.get("high") if winner else None, float(doc.get("noise") or 0.0),
                           str(doc.get("verdict", "")), float(doc.get("elapsed_s") or 0.0))
+    verdict.account = {"search_verdict": doc.get("search_verdict"), "confirmation": conf,
+                       "ranked": [{k: s.get(k) for k in ("key", "status", "reason", "median_step_s", "speedup")}
+                                  | {"trials": len(s.get("trials") or [])} for s in doc.get("ranked") or []],
+                       "skipped": doc.get("skipped")}
     settings = {**reference_settings(cpus), "tune's choice": verdict.env}
     runs: dict[str, list[float]] = {k: [] for k in settings}
     names = list(settings)

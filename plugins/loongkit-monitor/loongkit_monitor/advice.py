@@ -140,13 +140,18 @@ class Facts:
 
 @dataclass
 class Advice:
-    recommendations: list[dict[str, str]] = field(default_factory=list)
+    recommendations: list[dict[str, Any]] = field(default_factory=list)
     unclear: list[str] = field(default_factory=list)
 
-    def claim(self, kind: str, setting: str, cause: str, evidence: str, expected: str) -> None:
+    def claim(self, kind: str, setting: str, cause: str, evidence: str, expected: str,
+              count: int | None = None) -> None:
+        """``count``: the number the setting names (a worker count), for a reader that applies it (tune)."""
         assert kind in KINDS, kind
-        self.recommendations.append({"kind": kind, "setting": setting, "cause": cause, "evidence": evidence,
-                                     "expected": expected})
+        rec: dict[str, Any] = {"kind": kind, "setting": setting, "cause": cause, "evidence": evidence,
+                               "expected": expected}
+        if count is not None:
+            rec["count"] = count
+        self.recommendations.append(rec)
 
 
 def _available(facts: Facts, ref: FeatureRef) -> FeatureView | None:
@@ -304,7 +309,7 @@ def _more_workers(facts: Facts, out: Advice, count: int, step: float, after: flo
     if setting is None:
         return
     out.claim("workers", setting, cause, f"{head}; {basis}",
-              f"about {gain:.2f}x ({ms(step)} -> {ms(after)} per step)")
+              f"about {gain:.2f}x ({ms(step)} -> {ms(after)} per step)", count=count)
 
 
 def _in_pipeline(facts: Facts, name: str) -> bool:

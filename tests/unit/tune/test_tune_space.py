@@ -150,3 +150,33 @@ def test_combined_candidate() -> None:
     assert both.environ == {"LOONGKIT_ALL": "2", "LOONGKIT_DATALOADER_WORKERS": "1",
                             "LOONGKIT_DATALOADER_WORKERS_COUNT": "1"}
     assert both.level == 2
+
+
+def test_the_worker_count_the_monitor_advises_is_tried_first_even_beyond_the_cpus() -> None:
+    # One worker that mostly sleeps (I/O) on 2 CPUs, data wait 70 %: the real advice names a count from
+    # the per-sample cost; the Summary carries it (JSON) and tune's figures read it back.
+    import json
+    from dataclasses import replace as with_
+
+    from loongkit_monitor import analysis
+    from loongkit_monitor.advice import Facts as JobFacts
+    from loongkit_monitor.advice import advise
+    from loongkit_monitor.tune.figures import from_details
+
+    steps = 60
+    job = JobFacts(figures=analysis.step_figures(steps, [0.03] * steps, [0.021] * steps, [0.0] * steps, 1, False),
+                   num_workers=1, worker_slots=1, workers_cpu=0.08, main_cpu=0.3, allowed=2.0, context="fork",
+                   persistent=True, torch_threads=1, others_cpu=0.0, main_cpu_wait=0.01, workers_cpu_wait=0.01,
+                   window_s=10.0, main_rss=300e6, batch_size=32)
+    recs = advise(job).recommendations
+    assert [r["kind"] for r in recs] == ["workers"] and recs[0]["count"] > 2, recs
+    details = json.loads(json.dumps({"steps": steps, "warm_steps": steps - 5, "step_median_s": 0.03,
+                                     "data_wait_share": 0.7, "workers": 1, "worker_cpu_used": 0.08,
+                                     "cpus_allowed": 2.0, "recommendations": recs}))
+    fig = from_details(details)
+    made, _ = space.worker_candidates(fig, cpu_box(cpus=2))
+    assert keys(made)[0] == f"workers={recs[0]['count']}" and "the monitor's advice" in made[0].why
+    assert len({c.key for c in made}) == len(made)
+    # Without the advice the counts stay within the CPUs' reach (a fixed list around the job's own count).
+    plain, _ = space.worker_candidates(with_(fig, recommendations=()), cpu_box(cpus=2))
+    assert all(int(c.key.split("=")[1]) <= 2 for c in plain)

@@ -21,6 +21,8 @@ MONITOR = "monitor"
 class Recommendation:
     setting: str
     evidence: str
+    kind: str = ""  # the monitor's claim kind (advice.KINDS)
+    count: int | None = None  # the count a "workers" claim names
 
 
 @dataclass(frozen=True)
@@ -81,11 +83,17 @@ def _int(value: object, default: int = 0) -> int:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else default
 
 
+def _count(value: object) -> int | None:
+    n = _int(value, -1)
+    return n if n >= 0 else None
+
+
 def from_details(details: Mapping[str, Any]) -> Figures:
     """Figures from the ``details.monitor`` dict; missing or mistyped keys read as unknown."""
     recs = details.get("recommendations") or []
     recommendations = tuple(
-        Recommendation(str(r.get("setting", "")), str(r.get("evidence", "")))
+        Recommendation(str(r.get("setting", "")), str(r.get("evidence", "")), str(r.get("kind", "")),
+                       _count(r.get("count")))
         for r in recs if isinstance(r, Mapping))
     ranks = details.get("ranks")
     return Figures(

@@ -249,10 +249,17 @@ def worker_candidates(figures: Figures | None, facts: Facts) -> tuple[list[Candi
     per_rank = max(1, int(cpus // max(1, figures.ranks) if cpus >= facts.cpus else cpus))
     counts = worker_counts(figures.workers, per_rank, data_bound=figures.data_bound,
                            saturated=figures.workers_saturated)
+    # The count the baseline's monitor advises comes first: it is derived from this job's per-sample cost,
+    # its step and its CPUs (and may exceed the CPUs where the workers wait on I/O), which a fixed list
+    # around the job's own count does not reach.
+    advised = [r.count for r in figures.recommendations
+               if r.kind == "workers" and r.count is not None and r.count != figures.workers]
     wait = "unknown" if figures.data_wait_share is None else f"{figures.data_wait_share:.0%}"
+    why = f"job uses {figures.workers}, {cpus:g} CPUs allowed, data wait {wait}"
+    tried = list(dict.fromkeys([*advised[:1], *counts]))[:len(counts) + len(advised[:1])]
     out = [_candidate(f"workers={n}", {WORKERS_ENV: "1", WORKERS_COUNT_ENV: str(n)}, WORKERS, 0, DATA,
-                      f"job uses {figures.workers}, {cpus:g} CPUs allowed, data wait {wait}", [WORKERS_ENV])
-           for n in counts]
+                      why + (": the monitor's advice" if n in advised else ""), [WORKERS_ENV])
+           for n in tried]
     return out, ([] if out else [Skipped("DataLoader workers", "no other count fits the CPUs")])
 
 
