@@ -18,7 +18,7 @@ PLANTED = [
     {"when": {"LOONGKIT_ALL": "2", COUNT: "3"}, "step": 0.045},  # fastest: both
     {"when": {"LOONGKIT_MALLOC_ALLOCATOR": "jemalloc"}, "step": 0.010, "crash": True},  # "fastest", crashes
     {"when": {"LOONGKIT_ALL": "3"}, "step": 0.020, "loss_shift": 0.5},  # "fastest", changes the losses
-    {"when": {COUNT: "0"}, "hang": True},
+    {"when": {COUNT: "1"}, "hang": True},
 ]
 
 
@@ -39,7 +39,7 @@ def test_the_planted_fastest_is_chosen_and_the_bad_ones_are_excluded(
     outcome, out, err = run_tune(tmp_path, fake_job, env)
     by_key = {s.key: s for s in outcome.standings}
     # Data-bound baseline: the worker counts were tried first.
-    assert [s.key for s in outcome.standings][:4] == ["workers=4", "workers=3", "workers=1", "workers=0"]
+    assert [s.key for s in outcome.standings][:4] == ["workers=8", "workers=4", "workers=3", "workers=1"]
     winner = outcome.verdict.winner
     assert winner is not None and winner.key == "ALL=2 + workers=3", outcome.verdict.text
     # Three trials in the search, three in the confirmation's blocks beside its two leave-one-outs.
@@ -56,7 +56,7 @@ def test_the_planted_fastest_is_chosen_and_the_bad_ones_are_excluded(
     assert crash.status == EXCLUDED and crash.reason == "crashed: exit code 1 (RuntimeError: planted crash)"
     changed = by_key["ALL=3"]
     assert changed.status == EXCLUDED and changed.reason.startswith("changes results: loss max rel diff")
-    hang = by_key["workers=0"]
+    hang = by_key["workers=1"]
     assert hang.status == EXCLUDED and hang.reason == "hangs: no exit within 3 s"
     # Clearly slower candidates ran once: halving dropped them; the baseline ran every round.
     assert by_key["workers=4"].status == DROPPED and len(by_key["workers=4"].trials) == 1
@@ -79,7 +79,7 @@ def test_the_planted_fastest_is_chosen_and_the_bad_ones_are_excluded(
                              "env": {"LOONGKIT_ALL": "2", "LOONGKIT_DATALOADER_WORKERS": "1", COUNT: "3"}}
     assert doc["ranked"][0]["key"] == "ALL=2 + workers=3"
     excluded = {r["key"]: r["reason"] for r in doc["ranked"] if r["status"] == "excluded"}
-    assert set(excluded) == {"ALL=1 +MALLOC(jemalloc)", "ALL=3", "workers=0"}
+    assert set(excluded) == {"ALL=1 +MALLOC(jemalloc)", "ALL=3", "workers=1"}
     assert "tune [" in err and "ETA" in err  # the progress bar
 
 

@@ -91,9 +91,10 @@ def test_guards_fix_only_when_the_job_oversubscribes() -> None:
 
 
 def test_worker_counts() -> None:
-    # Data-bound, CPUs left: more workers first, up to double the job's own (I/O-bound loading).
-    assert space.worker_counts(2, 4, data_bound=True, saturated=False) == [4, 3, 1, 0]
-    assert space.worker_counts(4, 16, data_bound=True, saturated=False) == [16, 15, 8, 2]
+    # Data-bound, CPUs left: more workers first, up to twice the CPUs or the job's own (I/O-bound loading).
+    assert space.worker_counts(2, 4, data_bound=True, saturated=False) == [8, 4, 3, 1]
+    assert space.worker_counts(2, 4, data_bound=True, saturated=False, most=4) == [4, 3, 1, 0]  # the memory
+    assert space.worker_counts(4, 16, data_bound=True, saturated=False) == [32, 16, 15, 8]
     assert space.worker_counts(8, 4, data_bound=True, saturated=False) == [16, 4, 3, 1]  # at most four
     assert space.worker_counts(0, 1, data_bound=True, saturated=False) == [2, 1]  # one CPU per rank, loading waits
     # Saturated CPUs: fewer first.
@@ -101,6 +102,16 @@ def test_worker_counts() -> None:
     # Not data-bound: nearest first, never above the CPUs.
     assert space.worker_counts(2, 2, data_bound=False, saturated=False) == [1, 0]
     assert space.worker_counts(0, 2, data_bound=False, saturated=False) == [1, 2]
+
+
+def test_worker_counts_above_the_cpus_only_as_far_as_the_memory_holds_them() -> None:
+    waiting = dict(workers=0, data_wait_share=0.6, worker_cpu_used=None, cpus_allowed=2.0)
+    roomy = figures(**waiting, raw={"memory_limit_bytes": 64e9, "main_rss_bytes": 1e9})
+    tight = figures(**waiting, raw={"memory_limit_bytes": 8e9, "main_rss_bytes": 1e9})  # half of 7 GB: 3 workers
+    assert keys(space.worker_candidates(roomy, cpu_box())[0]) == ["workers=4", "workers=2", "workers=1"]
+    assert keys(space.worker_candidates(tight, cpu_box())[0]) == ["workers=2", "workers=1"]
+    unknown = figures(**waiting)  # no memory figures: the CPUs bound the counts alone
+    assert keys(space.worker_candidates(unknown, cpu_box())[0]) == ["workers=4", "workers=2", "workers=1"]
 
 
 def test_worker_candidates_from_the_baseline() -> None:
@@ -132,7 +143,12 @@ def test_a_data_bound_baseline_tries_the_data_settings_first() -> None:
     assert keys(compute_bound)[0] == "ALL=1"
     assert keys(data_bound)[0].startswith("workers=")
     assert keys(data_bound).index("ALL=1 +MALLOC(jemalloc)") < keys(data_bound).index("ALL=1")
-    assert sorted(keys(compute_bound)) == sorted(keys(data_bound))
+    def settings(made: list[space.Candidate]) -> list[str]:
+        return sorted(k for k in keys(made) if not k.startswith("workers="))
+
+    assert settings(compute_bound) == settings(data_bound)  # the same settings, another order
+    counts = [int(k.split("=")[1]) for k in keys(data_bound) if k.startswith("workers=")]
+    assert max(counts) == 2 * 4 > max(int(k.split("=")[1]) for k in keys(compute_bound) if k.startswith("workers="))
 
 
 def test_recommended_settings_come_first() -> None:
@@ -153,7 +169,7 @@ def test_combined_candidate() -> None:
 
 
 def test_the_worker_count_the_monitor_advises_is_tried_first_even_beyond_the_cpus() -> None:
-    # One worker that mostly sleeps (I/O) on 2 CPUs, data wait 70 %: the real advice names a count from
+    # One worker that mostly sleeps (I/O) on 2 CPUs, data wait 84 %: the real advice names a count from
     # the per-sample cost; the Summary carries it (JSON) and tune's figures read it back.
     import json
     from dataclasses import replace as with_
@@ -164,19 +180,19 @@ def test_the_worker_count_the_monitor_advises_is_tried_first_even_beyond_the_cpu
     from loongkit_monitor.tune.figures import from_details
 
     steps = 60
-    job = JobFacts(figures=analysis.step_figures(steps, [0.03] * steps, [0.021] * steps, [0.0] * steps, 1, False),
+    job = JobFacts(figures=analysis.step_figures(steps, [0.05] * steps, [0.042] * steps, [0.0] * steps, 1, False),
                    num_workers=1, worker_slots=1, workers_cpu=0.08, main_cpu=0.3, allowed=2.0, context="fork",
                    persistent=True, torch_threads=1, others_cpu=0.0, main_cpu_wait=0.01, workers_cpu_wait=0.01,
                    window_s=10.0, main_rss=300e6, batch_size=32)
     recs = advise(job).recommendations
     assert [r["kind"] for r in recs] == ["workers"] and recs[0]["count"] > 2, recs
-    details = json.loads(json.dumps({"steps": steps, "warm_steps": steps - 5, "step_median_s": 0.03,
-                                     "data_wait_share": 0.7, "workers": 1, "worker_cpu_used": 0.08,
+    details = json.loads(json.dumps({"steps": steps, "warm_steps": steps - 5, "step_median_s": 0.05,
+                                     "data_wait_share": 0.84, "workers": 1, "worker_cpu_used": 0.08,
                                      "cpus_allowed": 2.0, "recommendations": recs}))
     fig = from_details(details)
     made, _ = space.worker_candidates(fig, cpu_box(cpus=2))
     assert keys(made)[0] == f"workers={recs[0]['count']}" and "the monitor's advice" in made[0].why
     assert len({c.key for c in made}) == len(made)
-    # Without the advice the counts stay within the CPUs' reach (a fixed list around the job's own count).
+    # Without the advice the counts stay within twice the CPUs (a fixed list around the job's own count).
     plain, _ = space.worker_candidates(with_(fig, recommendations=()), cpu_box(cpus=2))
-    assert all(int(c.key.split("=")[1]) <= 2 for c in plain)
+    assert max(int(c.key.split("=")[1]) for c in plain) == 4 < recs[0]["count"]

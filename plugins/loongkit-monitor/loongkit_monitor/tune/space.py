@@ -214,12 +214,14 @@ def _guards_fix(facts: Facts, figures: Figures | None, add: object, skipped: lis
         why, [env])
 
 
-def worker_counts(current: int, per_rank_cpus: int, *, data_bound: bool, saturated: bool) -> list[int]:
+def worker_counts(current: int, per_rank_cpus: int, *, data_bound: bool, saturated: bool,
+                  most: int | None = None) -> list[int]:
     """Worker counts to try instead of ``current``, the most promising first.
 
     Around the job's own count (half, double) and at the CPU budget (all CPUs, all but the main
-    process's); 0 and 1 on small machines. More than the CPUs only when the job waits for data
-    while its workers leave CPUs idle (I/O-bound loading).
+    process's); 0 and 1 on small machines. More than the CPUs (up to twice them) only when the job
+    waits for data while its workers leave CPUs idle: waiting workers overlap, and more workers than
+    CPUs keep the CPUs loading through each batch's handoff. ``most``: the count the memory allows.
     """
     cpus = max(1, per_rank_cpus)
     values = {current // 2, current * 2, cpus - 1, cpus}
@@ -227,8 +229,10 @@ def worker_counts(current: int, per_rank_cpus: int, *, data_bound: bool, saturat
         values |= {0, 1}
     io_bound = data_bound and not saturated
     if io_bound:
-        values.add(max(2, current * 2))  # waiting workers overlap even on one CPU
-    limit = max(cpus, current * 2, 2) if io_bound else cpus
+        values |= {max(2, current * 2), 2 * cpus}  # waiting workers overlap even on one CPU
+    limit = max(2 * cpus, current * 2, 2) if io_bound else cpus
+    if most is not None:
+        limit = min(limit, max(most, current))
     chosen = sorted(v for v in values if 0 <= v <= limit and v != current)
     if data_bound and not saturated:
         chosen.sort(key=lambda v: (v < current, -v))  # more workers first, then the nearest fewer
@@ -237,6 +241,18 @@ def worker_counts(current: int, per_rank_cpus: int, *, data_bound: bool, saturat
     else:
         chosen.sort(key=lambda v: (abs(v - current), v))
     return chosen[:4]
+
+
+def _memory_cap(figures: Figures) -> int | None:
+    """The most workers half the memory left can hold (a worker's RSS, or the main's before there are
+    workers: a forked worker starts as its copy); None when the monitor did not see the memory."""
+    raw = figures.raw
+    limit, main = raw.get("memory_limit_bytes"), raw.get("main_rss_bytes")
+    per = raw.get("worker_rss_bytes") or main
+    if not all(isinstance(v, int | float) and v > 0 for v in (limit, main, per)):
+        return None
+    left = limit - main - figures.workers * per
+    return figures.workers + max(0, int(0.5 * left / per))
 
 
 def worker_candidates(figures: Figures | None, facts: Facts) -> tuple[list[Candidate], list[Skipped]]:
@@ -248,7 +264,7 @@ def worker_candidates(figures: Figures | None, facts: Facts) -> tuple[list[Candi
     # A rank that may use the whole machine shares it with the other ranks; a bound rank has its own.
     per_rank = max(1, int(cpus // max(1, figures.ranks) if cpus >= facts.cpus else cpus))
     counts = worker_counts(figures.workers, per_rank, data_bound=figures.data_bound,
-                           saturated=figures.workers_saturated)
+                           saturated=figures.workers_saturated, most=_memory_cap(figures))
     # The count the baseline's monitor advises comes first: it is derived from this job's per-sample cost,
     # its step and its CPUs (and may exceed the CPUs where the workers wait on I/O), which a fixed list
     # around the job's own count does not reach.
