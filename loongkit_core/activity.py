@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from loongkit_core.record import Record
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms in every booting process)
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at boot (docs/benchmarks.md, start-up)
 if TYPE_CHECKING:
     from typing import Any
 
@@ -262,7 +262,7 @@ def _remove(directory: str) -> None:
 
 def _flock(fd: int, how: int) -> bool | None:
     """flock(2): True when taken, False when another holder blocks it, None where locks do not work."""
-    import fcntl  # ~0.3 ms, only in a process that opens a channel
+    import fcntl  # only in a process that opens a channel
 
     try:
         fcntl.flock(fd, how | fcntl.LOCK_NB)

@@ -12,7 +12,7 @@ import os
 from loongkit_core import activity, importhooks
 from loongkit_core.feature import FeatureRecord
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms in every booting process)
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at boot (docs/benchmarks.md, start-up)
 if TYPE_CHECKING:
     from types import ModuleType
     from typing import Any

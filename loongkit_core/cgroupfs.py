@@ -169,7 +169,7 @@ def cpuset_files(root: str) -> tuple[int | None, list[str]]:
 # tree written by a test drives the same code. The group directory is ``<mount point>/<cgroup path
 # relative to the mount's root>``: mountinfo's fourth field is the hierarchy path mounted there (a
 # container often mounts its own group as "/"). Plain records, not dataclasses: this module is imported
-# in booting processes (through hardware), where a dataclass costs ~0.4 ms to build.
+# in booting processes (through hardware), where building a dataclass is a boot cost.
 
 
 class Mount(Record):

@@ -155,7 +155,7 @@ class StepCounter:
         self._done = False
 
     def feed(self, line: str) -> None:
-        # Three substring scans (~0.1 us) reject almost every line; the regexes run only where a pattern
+        # Three substring scans reject almost every line; the regexes run only where a pattern
         # could match (each pattern contains "loss" or "time" literally).
         if self._done or ("loss" not in line and "time" not in line and "Feature Summary" not in line):
             return

@@ -10,7 +10,7 @@ from loongkit_core import requirements
 from loongkit_core.patcher import Patcher
 from loongkit_core.record import Record
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms in every booting process)
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at boot (docs/benchmarks.md, start-up)
 if TYPE_CHECKING:
     from typing import Any, TypeVar
 

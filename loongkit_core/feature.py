@@ -42,7 +42,7 @@ class State(str, enum.Enum):
 
 # Plain classes, not dataclasses: every booting process imports this module (a DataLoader worker, a
 # helper under a container-wide PYTHONPATH), and ``dataclasses`` brings ``inspect``, ``ast``, ``dis``
-# and ``tokenize`` with it: ~12 ms of a reused boot's ~26 ms of imports (docs/benchmarks.md).
+# and ``tokenize`` with it: about half of a reused boot's imports (docs/benchmarks.md, start-up).
 
 _FEATURE_DEFAULTS: dict[str, object] = {
     "requires": (), "targets": (), "options": (), "depends_on": (), "disables": (), "implemented": True,

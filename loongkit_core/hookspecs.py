@@ -99,7 +99,7 @@ def loongkit_activate(feature: Feature, target: str | None, ctx: ActivationConte
     Called once for each target module in ``feature.targets`` right after it finishes importing
     (or at once if it already had), with ``target`` set to its name; or once at boot with
     ``target=None`` for a feature without targets. Install patches through ``ctx.patcher`` so
-    they can be undone, count real use with ``ctx.mark_active()`` or ``ctx.counted(fn)``, and
+    they can be undone, count real use with ``ctx.count()`` or ``ctx.counted(fn)``, and
     raise :class:`loongkit_core.context.NotApplicable` when the target's structure is not the one
     the patch expects.
     """

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from types import ModuleType
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms in every booting process)
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at boot (docs/benchmarks.md, start-up)
 if TYPE_CHECKING:
     import importlib.machinery
     from typing import Any
@@ -40,7 +40,7 @@ def set_error_handler(handler: Callable[[str, Callback, BaseException], None] | 
 
 
 # Plain classes, not importlib.abc's: in Python 3.11 importing importlib.abc imports importlib.resources,
-# tempfile, shutil, random (~10 ms at every boot); the import system only needs the methods.
+# tempfile, shutil, random at every boot; the import system only needs the methods.
 class _ChainedLoader:
     def __init__(self, loader: Any, name: str) -> None:
         self._loader = loader

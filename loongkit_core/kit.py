@@ -32,7 +32,7 @@ def options_set(environ: Mapping[str, str], names: Sequence[str]) -> bool:
     """Whether ``configure`` has an option to validate: one of ``names`` (LOONGKIT_* variables, matched
     case-insensitively like :func:`loongkit_core.settings.load_settings`) is set and not empty, or a
     conformance check is recording which settings models ``configure`` loads. When False, a feature may
-    skip its options model, and with it importing pydantic-settings (~60 ms in every process)."""
+    skip its options model, and with it importing pydantic-settings."""
     import sys
 
     settings = sys.modules.get("loongkit_core.settings")  # recording needs it imported: cheap to ask
@@ -53,7 +53,8 @@ class FeatureImpl:
     options: ClassVar[type[LoongkitSettings] | None] = None
     # The options model as "module:Class", imported only when one of the feature's option variables
     # (``Feature.options``) is set or a policy sets option defaults; otherwise ``configure`` returns
-    # ``options_unset`` (a copy of a dict) without importing pydantic-settings (~60 ms in every process).
+    # ``options_unset`` (a copy of a dict) without importing pydantic-settings (the largest import a
+    # booting process could pay: docs/benchmarks.md, start-up).
     lazy_options: ClassVar[str | None] = None
     options_unset: ClassVar[object] = None
 

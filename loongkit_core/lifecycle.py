@@ -16,7 +16,7 @@ from loongkit_core import process as process_mod
 from loongkit_core.feature import FeatureRecord, State
 from loongkit_core.manager import LoongkitStrictError
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms in every booting process)
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at boot (docs/benchmarks.md, start-up)
 if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any

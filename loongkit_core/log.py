@@ -16,8 +16,8 @@ Records are written with one unbuffered ``os.write`` each: nothing is lost on a 
 child has no inherited buffer to flush twice, and a failing write (disk full) is dropped silently.
 
 This module never calls ``structlog.configure()``: the user's program may use structlog itself, so
-every logger here carries its own processors and writes to its own sink. structlog itself (~30 ms:
-it imports asyncio) is imported at the first record at or above the configured level; until then a
+every logger here carries its own processors and writes to its own sink. structlog itself (it imports
+asyncio) is imported at the first record at or above the configured level; until then a
 record below it is dropped by a stdlib-only no-op, as structlog's own filtering logger would.
 """
 
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 from loongkit_core.record import Record
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms in every booting process)
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at boot (docs/benchmarks.md, start-up)
 if TYPE_CHECKING:
     from typing import Any
 

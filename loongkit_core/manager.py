@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 from loongkit_core.record import Record
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms in every booting process)
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at boot (docs/benchmarks.md, start-up)
 if TYPE_CHECKING:
     from typing import Any
 
@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 ENTRY_POINT_GROUP = "loongkit"  # hookspecs.ENTRY_POINT_GROUP, without importing pluggy
 
 
-# Plain classes, not dataclasses: every booting process imports this module, and each dataclass costs
-# ~0.4 ms to build (plus ~6 ms for the dataclasses module where nothing else has imported it).
+# Plain classes, not dataclasses: every booting process imports this module, and building dataclasses
+# (and importing their module) is a boot cost (docs/benchmarks.md, start-up).
 
 
 class LoongkitStrictError(RuntimeError):
@@ -92,7 +92,7 @@ class PluginManager:
         return self._pm
 
     def fault(self, plugin: str, where: str, exc: BaseException, feature: str | None = None) -> Fault:
-        import traceback  # with textwrap, ~5 ms: only when something went wrong
+        import traceback  # it brings textwrap: only when something went wrong
 
         f = Fault(plugin, where, f"{type(exc).__name__}: {exc}",
                   "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)), feature)

@@ -15,15 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms in every booting process)
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at boot (docs/benchmarks.md, start-up)
 if TYPE_CHECKING:
     from typing import Any
 
 _MISSING = object()
 
 
-# Plain records, not dataclasses: this module is imported by every booting process, and building a
-# dataclass costs ~0.5 ms.
+# Plain records, not dataclasses: this module is imported by every booting process, where building a
+# dataclass is a boot cost (docs/benchmarks.md, start-up).
 class _Patch:
     __slots__ = ("in_dict", "name", "original", "owner", "replacement")
 

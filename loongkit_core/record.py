@@ -1,8 +1,8 @@
 """A plain record class: equality and repr from its fields, without building a dataclass.
 
 The core's small typed objects (a feature's run-time record, a fault, the process's role...) are
-created in every booting process, where ``@dataclass`` costs ~0.4-0.5 ms per class (it generates and
-``exec``s code); a subclass of :class:`Record` only names its ``__slots__`` and writes ``__init__``.
+created in every booting process, where ``@dataclass`` is a cost per class (it generates and ``exec``s
+code; docs/benchmarks.md, start-up); a subclass of :class:`Record` only names its ``__slots__`` and writes ``__init__``.
 
 ``_fields`` (default: the parent record's, then ``__slots__`` in order) is what equality compares;
 ``_repr_fields`` (default: ``_fields``) what repr shows. Records are mutable, hence unhashable unless a

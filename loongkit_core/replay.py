@@ -12,7 +12,7 @@ from __future__ import annotations
 from loongkit_core import resolved
 from loongkit_core.feature import FeatureRecord, State
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms in every booting process)
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at boot (docs/benchmarks.md, start-up)
 if TYPE_CHECKING:
     from typing import Any
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import functools
 import importlib  # noqa: F401  # the package (loaded at start-up anyway); tests patch importlib.metadata here
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms in every booting process)
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at boot (docs/benchmarks.md, start-up)
 if TYPE_CHECKING:
     from packaging.version import Version
 
-# importlib.metadata and packaging (~30 ms together) are imported at the first check: a process that
+# importlib.metadata and packaging are imported at the first check: a process that
 # reuses its job's resolution (loongkit_core.resolved) never checks a requirement.
 
 # module name -> distributions that install it, in the order they are looked for

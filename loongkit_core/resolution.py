@@ -15,7 +15,7 @@ from loongkit_core._boot import CORE_VARIABLES, bool_or_none, is_unset
 from loongkit_core.feature import Feature, FeatureRecord, PolicyDecision, State
 from loongkit_core.manager import LoongkitStrictError
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms in every booting process)
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at boot (docs/benchmarks.md, start-up)
 if TYPE_CHECKING:
     from collections.abc import Mapping
     from typing import Any

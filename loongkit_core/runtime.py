@@ -37,7 +37,7 @@ from loongkit_core.manager import Fault, LoongkitStrictError, PluginManager
 from loongkit_core.replay import Replay
 from loongkit_core.resolution import Resolution
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms in every booting process)
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at boot (docs/benchmarks.md, start-up)
 if TYPE_CHECKING:
     from typing import Any
 

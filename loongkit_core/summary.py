@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from loongkit_core.feature import FeatureRecord, State
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms in every booting process)
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at boot (docs/benchmarks.md, start-up)
 if TYPE_CHECKING:
     from loongkit_core.manager import Fault
     from loongkit_core.process import ProcessInfo

@@ -14,7 +14,7 @@ from types import ModuleType
 from loongkit_core import importhooks
 from loongkit_core.patcher import Patcher
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~5 ms in every booting process)
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at boot (docs/benchmarks.md, start-up)
 if TYPE_CHECKING:
     from typing import Any
 

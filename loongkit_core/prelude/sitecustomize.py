@@ -20,7 +20,7 @@ def _loongkit_prelude() -> None:
     exists = os.path.exists
     join = os.path.join
 
-    import importlib.machinery  # ~0.1 ms (importlib.util pulls contextlib and more: only when needed below)
+    import importlib.machinery  # not importlib.util, which pulls contextlib and more: only when needed below
 
     def prelude(entry: object) -> bool:
         # One stat, no realpath: a directory with the marker is a prelude whatever its spelling ("" is the cwd,

@@ -32,26 +32,16 @@ PARAMS = {"mmap_threshold": M_MMAP_THRESHOLD, "trim_threshold": M_TRIM_THRESHOLD
           "top_pad": M_TOP_PAD, "arena_max": M_ARENA_MAX}
 
 MiB = 1 << 20
-# Measured on this project's machine (2 cores, glibc 2.36, mm stack; benchmarks/allocator.py and
-# docs/benchmarks.md): one forked worker, 10 calls each, ms per call / minor faults per call / peak RSS MiB.
-#                              imnormalize     DiceLoss          Voxelization     MSDA pytorch
-#   glibc defaults             13.6/5,375/266  256/98,313/744    162/82,274/653   240/102,762/698
-#   mmap 32M  trim 256M        3.5/0           91/29,186         -                -
-#   mmap 256M trim 256M        3.7/0/266       84/8,295/857      173/65,545/650   133/43,616/771
-#   mmap 256M trim 512M (used) 3.9/0/266       79/3,892/934      32/9/650         70/3,188/822
-#   mmap 512M trim 512M        3.8/0/266       80/3,892/934      26/9/650         71/3,375/829
-#   mmap 256M trim 1G          -               -                 45/9/650         -
-# * mmap_threshold 256 MiB: temporaries up to 256 MiB (a 4x19x256x512 float32 loss tensor is 40 MiB,
-#   Voxelization's 1024x1024x40 index table 168 MiB) come from the heap; a fixed value also stops
-#   glibc's dynamic threshold. Larger bought nothing.
-# * trim_threshold 512 MiB: the free heap top kept is bounded by it; 256 MiB still released
-#   Voxelization's table each call. The cost: peak RSS +0 to +190 MiB per worker above.
-# * top_pad 0 (issue 18; was 64 MiB): padding each heap extension fragmented Voxelization's heap, which
-#   grew by its 320 MiB of temporaries on each of its first calls (peak RSS 622 -> 1,414 MiB, with 82k
-#   faults per call until then); without padding it is reused from the second call (615 MiB, 0 faults).
-# * arena_max 4: DataLoader workers run Python in one thread plus a few library threads; more
-#   arenas only multiply retained memory (arena_max 1 made Voxelization slower: 74 ms, 25k faults).
-# What stays resident is then bounded per worker by HeapBound (below), not by these thresholds.
+# Chosen from a sweep of the thresholds on the OpenMMLab calls that fault (docs/benchmarks.md, "Allocator
+# tuning in DataLoader workers": the sweep's table and the runs behind each value):
+# * mmap_threshold 256 MiB: the temporaries of those calls (a loss tensor, Voxelization's index table)
+#   come from the heap; a fixed value also stops glibc's dynamic threshold. Larger bought nothing.
+# * trim_threshold 512 MiB: the free heap top kept is bounded by it; at 256 MiB Voxelization's table was
+#   still released on every call. The cost is peak RSS, which HeapBound (below) bounds per worker.
+# * top_pad 0: padding each heap extension fragmented the heap of a call with large temporaries, which
+#   then grew on each of its first calls; without padding it is reused from the second call.
+# * arena_max 4: DataLoader workers run Python in one thread plus a few library threads; more arenas only
+#   multiply retained memory, and a single arena made Voxelization slower.
 GLIBC_TUNING: dict[str, int] = {
     "mmap_threshold": 256 * MiB,
     "trim_threshold": 512 * MiB,
@@ -59,12 +49,9 @@ GLIBC_TUNING: dict[str, int] = {
     "arena_max": 4,
 }
 # LOONGKIT_PYTORCH's workers (level 1: a worker may not hold memory it did not hold untuned): blocks
-# above 64 MiB stay mmap'ed, as with glibc's defaults. Measured here, quiet machine (load 0.9-1.1,
-# benchmarks/allocator.py --n 8 --variants ours), 256 MiB vs 64 MiB: Voxelization (168 MiB tables, the
-# posix_memalign fragmentation HeapBound describes) 1.04x at 1.49x peak RSS, 4 trims in 8 batches, vs
-# 0.99x at 0.98x; imnormalize (17 MiB) 2.18x vs 1.87x, both ~0 faults; DiceLoss (40 MiB) 1.93x at 1.17x vs
-# 1.37x at 1.20x; MSDA's pytorch path 1.69x at 1.16x vs 1.34x at 1.01x; worst peak 1.49x vs 1.20x. The
-# tables that fragment are the large ones; jemalloc (LOONGKIT_MALLOC_ALLOCATOR) serves them without it.
+# above 64 MiB stay mmap'ed, as with glibc's defaults. At 256 MiB, tables that posix_memalign cannot
+# reuse (HeapBound) stayed in the heap and raised a worker's peak RSS well above the untuned one
+# (docs/benchmarks.md, "The worker threshold"); jemalloc (LOONGKIT_MALLOC_ALLOCATOR) serves them without it.
 WORKER_TUNING: dict[str, int] = {**GLIBC_TUNING, "mmap_threshold": 64 * MiB}
 # HeapBound trims only when a worker holds more than after a clean batch by a quarter of that batch's
 # working set, and never for less than this: small drifts (a few MiB of Python objects, a cache filling)
@@ -231,9 +218,9 @@ def align_jemalloc_arena0() -> tuple[int, int] | None:
     reads ``oversize_threshold``, so arena 0 keeps the 8 MiB default whatever ``MALLOC_CONF`` says
     (jemalloc issue #2809, fixed after 5.3.0). Every extent of 8 MiB or more freed there is purged at
     once (unless a decay time is -1): with run_cpu's ``oversize_threshold:1`` (huge arena disabled) a
-    worker faulted in a 168 MiB Voxelization table on every call (85k faults) as with glibc's defaults.
-    Aligned, such extents follow ``dirty_decay_ms`` (10 s) like every other arena's: 0 faults, the same
-    peak RSS (docs/benchmarks.md). None: not jemalloc, already aligned, or not writable."""
+    worker faulted in Voxelization's large table on every call, as with glibc's defaults. Aligned, such
+    extents follow ``dirty_decay_ms`` like every other arena's: no faults, the same peak RSS
+    (docs/benchmarks.md). None: not jemalloc, already aligned, or not writable."""
     found = jemalloc_arena0_threshold()
     if found is None or found[0] == found[1] or not set_jemalloc_arena0_threshold(found[1]):
         return None

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from loongkit_core.settings import LoongkitSettings
 
 # Just above glibc's largest dynamic mmap threshold (32 MiB): always mmapped by default, so the probe
-# shows the storm. Not run at boot (it cost ~34 ms and a 33 MiB temporary in every process): the
-# benchmarks and tests run it.
+# shows the storm. Not run at boot (a page-fault storm and a 33 MiB temporary in every process: start-up
+# in docs/benchmarks.md): the benchmarks and tests run it.
 PROBE_BYTES = 33 << 20
 ALLOCATOR_ENV = "LOONGKIT_MALLOC_ALLOCATOR"
 DEFAULT_ALLOCATOR = "glibc"

@@ -24,9 +24,9 @@ from typing import Any
 from loongkit_monitor import procstat
 
 PREFIX = "mon-"
-INTERVAL = 1.0  # seconds between a worker's samples once past the first ones (each costs ~1 ms of CPU)
+INTERVAL = 1.0  # seconds between a worker's samples once past the first ones (a sample costs the worker CPU)
 EARLY_INTERVAL, EARLY_SAMPLES = 0.25, 8  # denser at first, so that short runs get a span to measure
-PRIVATE_EVERY = 2  # smaps_rollup (~1-3 ms in the sampler thread) is read at the first, the last and every second sample
+PRIVATE_EVERY = 2  # smaps_rollup (the dearest read) is read at the first, the last and every second sample
 MAX_SAMPLES = 64  # history kept per worker (rewritten each second: kept small); thinned past KEEP_FIRST
 KEEP_FIRST = 16  # the first samples stay: the warm steps start among them
 

@@ -5,9 +5,9 @@
   the kernel cache; baseline, AVX2 and AVX-512 builds of every kernel, the best one for this CPU
   picked at run time.
 - ``triton/*.py``: Triton kernels for CUDA devices (optional: only used when triton imports).
-- ``ops.py``: the ``loongkit::*`` custom ops (fake impls and autograd, so torch.compile traces
-  them without graph breaks); each falls back to :mod:`.reference` when no kernel can run.
-- ``reference.py``: independent float64 references written from the algorithms.
+- ``ops/``: the ``loongkit::*`` custom ops, one module per op: its definition, fake impl and
+  autograd (so torch.compile traces it without graph breaks), its dispatch to a kernel, and its
+  plain-torch ``reference`` (the tests' float64 oracle and the fallback when no kernel can run).
 
 Importing this package imports neither torch nor the library. Prebuild or check:
 ``python -m loongkit_ops.kernels``.

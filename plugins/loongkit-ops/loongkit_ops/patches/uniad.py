@@ -110,7 +110,7 @@ def collision_fused(module: Any, sdc_traj_all: Any, sdc_planning_gt: Any, future
 
     gt = torch.cat(corners).to(device)  # [M, 4, 2]
     # The step each GT box belongs to. Built from the Python lengths: torch.repeat_interleave with a
-    # tensor of repeats opens a parallel region even for 6 steps, which cost ~7 ms on a loaded machine.
+    # tensor of repeats opens a parallel region even for a handful of steps, dear on a loaded machine.
     owner = torch.tensor([k for k, c in enumerate(corners) for _ in range(len(c))], device=device)
     xb1, yb1 = gt[..., 0].amax(-1), gt[..., 1].amax(-1)
     xb2, yb2 = gt[..., 0].amin(-1), gt[..., 1].amin(-1)

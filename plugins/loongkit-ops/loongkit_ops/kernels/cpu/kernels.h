@@ -3,7 +3,7 @@
 // every *.cpp is compiled once per instruction set into loongkit::<isa>: loongkit_core.kernelbuild
 // generates both. lk::View is a strided array handed over by loongkit_core.kernels (no libtorch types:
 // see loongkit/kernel.h).
-// Callers (kernels/ops.py) pass contiguous tensors of one floating dtype (float or double) and
+// Callers (the op modules in kernels/ops/) pass contiguous tensors of one floating dtype (float or double) and
 // preallocated outputs; argument shapes are checked here once more because a wrong shape would
 // read out of bounds.
 #pragma once
