@@ -139,6 +139,23 @@ def test_choose_needs_more_than_the_noise() -> None:
     assert ranking.choose([excluded], b, 0.02).winner is None
 
 
+def test_fewer_workers_win_a_tie_inside_the_noise() -> None:
+    b = base(0.100, 0.100)
+
+    def workers(n: int, steps: list[float], extra: tuple[tuple[str, str], ...] = ()) -> Standing:
+        env = (*extra, (space.WORKERS_ENV, "1"), (space.WORKERS_COUNT_ENV, str(n)))
+        s = Standing(space.Candidate(f"workers={n}", env, space.WORKERS, 0), [result(t) for t in steps], OK)
+        return s
+
+    eight, four, two = workers(8, [0.040, 0.040]), workers(4, [0.041, 0.041]), workers(2, [0.050, 0.050])
+    verdict = ranking.choose([eight, four, two], b, 0.03)
+    assert verdict.winner is four and "fewer workers win the tie" in verdict.text  # 2 is beyond the noise
+    assert ranking.choose([eight, four, two], b, 0.005).winner is eight  # a tighter noise: 8 is faster
+    # Only a count that differs in the count alone: another level beside it is a different setting.
+    other = workers(4, [0.041], extra=(("LOONGKIT_ALL", "2"),))
+    assert ranking.choose([eight, other], b, 0.03).winner is eight
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 100.0

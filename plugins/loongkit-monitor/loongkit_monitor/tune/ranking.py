@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from loongkit_core.compare import compare_losses
-from loongkit_monitor.tune.space import BASELINE, Candidate
+from loongkit_monitor.tune.space import BASELINE, WORKERS_COUNT_ENV, Candidate
 from loongkit_monitor.tune.trial import TrialResult
 
 NOISE_FLOOR = 0.02  # 2 %: below this, differences between fresh processes are not worth a setting
@@ -235,6 +235,31 @@ def choose(standings: Sequence[Standing], baseline: Standing, level_noise: float
     if speedup <= 1 + level_noise:
         return Verdict(None, f"no candidate beats the job as it is beyond the noise ({level_noise:.1%}); "
                              f"the fastest, {best.key}, is {speedup:.2f}x: keep the job as it is")
+    fewer = _fewer_workers(best, ranked, level_noise)
+    tie = ""
+    if fewer is not None:
+        tie = f"; {best.key} was {best.speedup(fewer) or 0.0:.2f}x it, inside the noise: fewer workers win the tie"
+        best, speedup = fewer, fewer.speedup(baseline) or 0.0
     trials = len(best.good)
     return Verdict(best, f"{best.key}: {speedup:.2f}x the baseline's median step over {trials} trial(s) "
-                         f"(noise {level_noise:.1%})")
+                         f"(noise {level_noise:.1%}){tie}")
+
+
+def _workers(candidate: Candidate) -> tuple[int | None, tuple[tuple[str, str], ...]]:
+    """(its worker count, the rest of its settings)."""
+    env = dict(candidate.env)
+    count = env.pop(WORKERS_COUNT_ENV, None)
+    return (int(count) if count is not None and count.isdigit() else None), tuple(sorted(env.items()))
+
+
+def _fewer_workers(best: Standing, ranked: Sequence[Standing], level_noise: float) -> Standing | None:
+    """The candidate with the fewest workers that differs from ``best`` in its worker count alone and is
+    inside the noise of it: each worker costs memory and CPU, so a gain the noise hides does not pay for
+    them (the simpler setting wins a tie, as in the ablation)."""
+    count, rest = _workers(best.candidate)
+    if count is None or best.median is None:
+        return None
+    ties = [(n, s) for s in ranked if s is not best and s.median is not None
+            and s.median <= best.median * (1 + level_noise)
+            for n, other in (_workers(s.candidate),) if n is not None and n < count and other == rest]
+    return min(ties, key=lambda t: t[0])[1] if ties else None

@@ -18,13 +18,16 @@ COLUMNS = ("#", "median step", "speed-up", "spread", "data wait", "trials", "sta
 
 
 def ranked(outcome: Outcome) -> list[Standing]:
-    """Rows in table order: every timed candidate and the baseline by median step (the ones still in
-    the race first), then the excluded, then those the budget left untried."""
+    """Rows in table order: the winner, every other timed candidate and the baseline by median step (the
+    ones still in the race first), then the excluded, then those the budget left untried."""
     def by_median(rows: Sequence[Standing]) -> list[Standing]:
         return sorted(rows, key=lambda s: s.median if s.median is not None else math.inf)
 
     timed = [s for s in outcome.standings if s.status == OK and s.median is not None]
     timed = by_median([*timed, outcome.baseline] if outcome.baseline.median is not None else timed)
+    winner = outcome.verdict.winner  # first even when a tie went to fewer workers
+    if winner in timed:
+        timed = [winner, *(s for s in timed if s is not winner)]
     dropped = by_median([s for s in outcome.standings if s.status == DROPPED])
     excluded = [s for s in outcome.standings if s.status == EXCLUDED]
     rest = [s for s in outcome.standings if s.status in (BUDGET, NOT_TRIED)]
