@@ -288,12 +288,22 @@ def _loading(facts: Facts, cpu: Cpu, out: Advice) -> None:
     _more_workers(facts, out, count, step, after, head, basis, f"{n} workers cannot keep up with the model: {why}")
 
 
+def workers_memory_holds(n: int, worker_rss: float | None, main_rss: float | None,
+                         limit: float | None) -> int | None:
+    """The most workers (``n`` running now) that half the memory left can hold; None when a figure is
+    unknown. Shared with tune, which must not try a count the memory cannot hold."""
+    if not (worker_rss and worker_rss > 0 and main_rss and limit):
+        return None
+    left = limit - main_rss - n * worker_rss
+    return n + max(0, int(0.5 * left / worker_rss))
+
+
 def _io_cap(facts: Facts, n: int, capacity: float) -> int:
     """At most IO_PER_CPU waiting workers per CPU, and no more than half the memory left can hold."""
     cap = min(MAX_WORKERS, max(n + 1, math.ceil(IO_PER_CPU * capacity)))
-    if facts.worker_rss and facts.memory_limit and facts.main_rss:
-        left = facts.memory_limit - facts.main_rss - n * facts.worker_rss
-        cap = min(cap, n + max(0, int(0.5 * left / facts.worker_rss)))
+    held = workers_memory_holds(n, facts.worker_rss, facts.main_rss, facts.memory_limit)
+    if held is not None:
+        cap = min(cap, held)
     return max(cap, 1)
 
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
+from loongkit_monitor import analysis
+from loongkit_monitor.advice import Facts as JobFacts
+from loongkit_monitor.advice import advise
 from loongkit_monitor.tune import space
-from loongkit_monitor.tune.figures import Recommendation
+from loongkit_monitor.tune.figures import Recommendation, from_details
 from tune_helpers import cpu_box, feature, figures
 
 
@@ -171,14 +175,6 @@ def test_combined_candidate() -> None:
 def test_the_worker_count_the_monitor_advises_is_tried_first_even_beyond_the_cpus() -> None:
     # One worker that mostly sleeps (I/O) on 2 CPUs, data wait 84 %: the real advice names a count from
     # the per-sample cost; the Summary carries it (JSON) and tune's figures read it back.
-    import json
-    from dataclasses import replace as with_
-
-    from loongkit_monitor import analysis
-    from loongkit_monitor.advice import Facts as JobFacts
-    from loongkit_monitor.advice import advise
-    from loongkit_monitor.tune.figures import from_details
-
     steps = 60
     job = JobFacts(figures=analysis.step_figures(steps, [0.05] * steps, [0.042] * steps, [0.0] * steps, 1, False),
                    num_workers=1, worker_slots=1, workers_cpu=0.08, main_cpu=0.3, allowed=2.0, context="fork",
@@ -194,5 +190,5 @@ def test_the_worker_count_the_monitor_advises_is_tried_first_even_beyond_the_cpu
     assert keys(made)[0] == f"workers={recs[0]['count']}" and "the monitor's advice" in made[0].why
     assert len({c.key for c in made}) == len(made)
     # Without the advice the counts stay within twice the CPUs (a fixed list around the job's own count).
-    plain, _ = space.worker_candidates(with_(fig, recommendations=()), cpu_box(cpus=2))
+    plain, _ = space.worker_candidates(replace(fig, recommendations=()), cpu_box(cpus=2))
     assert max(int(c.key.split("=")[1]) for c in plain) == 4 < recs[0]["count"]

@@ -259,7 +259,11 @@ def _fewer_workers(best: Standing, ranked: Sequence[Standing], level_noise: floa
     count, rest = _workers(best.candidate)
     if count is None or best.median is None:
         return None
-    ties = [(n, s) for s in ranked if s is not best and s.median is not None
-            and s.median <= best.median * (1 + level_noise)
-            for n, other in (_workers(s.candidate),) if n is not None and n < count and other == rest]
-    return min(ties, key=lambda t: t[0])[1] if ties else None
+    fewest: tuple[int, Standing] | None = None
+    for s in ranked:
+        if s.median is None or s.median > best.median * (1 + level_noise):
+            continue
+        n, other = _workers(s.candidate)
+        if n is not None and n < count and other == rest and (fewest is None or n < fewest[0]):
+            fewest = (n, s)
+    return fewest[1] if fewest else None

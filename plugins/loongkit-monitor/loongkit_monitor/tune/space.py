@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from loongkit_monitor.advice import workers_memory_holds
 from loongkit_monitor.plugin import CONFIG_GUARDS, DATALOADER_WORKERS, MALLOC, NUMA_AFFINITY
 from loongkit_monitor.tune.facts import Facts, FeatureFact
 from loongkit_monitor.tune.figures import Figures
@@ -244,15 +245,15 @@ def worker_counts(current: int, per_rank_cpus: int, *, data_bound: bool, saturat
 
 
 def _memory_cap(figures: Figures) -> int | None:
-    """The most workers half the memory left can hold (a worker's RSS, or the main's before there are
-    workers: a forked worker starts as its copy); None when the monitor did not see the memory."""
-    raw = figures.raw
-    limit, main = raw.get("memory_limit_bytes"), raw.get("main_rss_bytes")
-    per = raw.get("worker_rss_bytes") or main
-    if not all(isinstance(v, int | float) and v > 0 for v in (limit, main, per)):
-        return None
-    left = limit - main - figures.workers * per
-    return figures.workers + max(0, int(0.5 * left / per))
+    """The monitor's memory rule on the baseline's figures (a worker's RSS, or the main's before there
+    are workers: a forked worker starts as its copy); None when the monitor did not see the memory."""
+    def number(key: str) -> float | None:
+        value = figures.raw.get(key)
+        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+    main = number("main_rss_bytes")
+    return workers_memory_holds(figures.workers, number("worker_rss_bytes") or main, main,
+                                number("memory_limit_bytes"))
 
 
 def worker_candidates(figures: Figures | None, facts: Facts) -> tuple[list[Candidate], list[Skipped]]:
@@ -272,7 +273,7 @@ def worker_candidates(figures: Figures | None, facts: Facts) -> tuple[list[Candi
                if r.kind == "workers" and r.count is not None and r.count != figures.workers]
     wait = "unknown" if figures.data_wait_share is None else f"{figures.data_wait_share:.0%}"
     why = f"job uses {figures.workers}, {cpus:g} CPUs allowed, data wait {wait}"
-    tried = list(dict.fromkeys([*advised[:1], *counts]))[:len(counts) + len(advised[:1])]
+    tried = list(dict.fromkeys([*advised[:1], *counts]))
     out = [_candidate(f"workers={n}", {WORKERS_ENV: "1", WORKERS_COUNT_ENV: str(n)}, WORKERS, 0, DATA,
                       why + (": the monitor's advice" if n in advised else ""), [WORKERS_ENV])
            for n in tried]
